@@ -1,0 +1,311 @@
+"""Lazy recording at the door.
+
+The Recorder is the door's handler while capturing. Ops on lazy tensors (and factory ops, and
+ops on real tensors) return pending LazyTensors that carry metadata only; real tensors become
+graph inputs; in-place ops are recorded functionally and written back; ops that need data cut
+the graph: the pending graph runs (through the injected `execute`), every live lazy tensor is
+materialized, and the op runs eagerly.
+
+Warm path per op: classify (dict) → encode arguments → one trie lookup → wrap the outputs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from torchnative import events
+from torchnative.capture import views
+from torchnative.capture.meta import Unrecordable, infer, meta_of
+from torchnative.capture.ops import Kind, classify
+from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature, ref
+from torchnative.shim import DoorMode, LazyTensor, run_eagerly
+
+aten = torch.ops.aten
+_make = torch.Tensor._make_wrapper_subclass
+_wref = weakref.ref
+_TRUE, _FALSE = "\0T", "\0F"
+_RECORD, _DECOMPOSE, _INPLACE, _IDENTITY = Kind.RECORD, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY
+
+# frames inside these directories are not the user's code
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+
+Execute = Callable[[Node, Signature, list], list]
+
+
+def user_frame(skip: int = 2) -> tuple[str, int]:
+    f = sys._getframe(skip)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not name.startswith(_INTERNAL) and not name.startswith("<"):
+            return name, f.f_lineno
+        f = f.f_back
+    return "<unknown>", 0
+
+
+class Recorder:
+    def __init__(self, execute: Execute, mode: DoorMode):
+        self.execute = execute
+        self.mode = mode
+        self._reset()
+
+    def _reset(self) -> None:
+        self.node: Node = ROOT
+        self.inputs: list[torch.Tensor] = []
+        self.inslot: dict[int, int] = {}          # id(real tensor) -> input slot
+        self.live: list = []                      # weakrefs to pending LazyTensors
+        self.epoch = 0                            # bumped by every write
+        self.rgen: dict[int, int] = {}            # id(real root) -> writes so far
+        self.rcur: dict[int, Any] = {}            # id(real root) -> its current (lazy) value
+        self.roots: dict[int, torch.Tensor] = {}  # id(real root) -> the root, for write-back
+        self.n_ops = 0
+
+    # -- the handler ---------------------------------------------------------------------------
+    def __call__(self, op, args: tuple, kwargs: dict) -> Any:
+        c = classify(op)
+        k = c.kind
+        if k is _RECORD:
+            return self.record(op, c.is_view, args, kwargs)
+        if k is _DECOMPOSE:
+            self.mode.push()
+            try:
+                return c.decomposition(*args, **kwargs)
+            finally:
+                DoorMode.pop()
+        if k is _INPLACE:
+            return self.inplace(op, c.functional, args, kwargs)
+        if k is _IDENTITY:
+            return args[0]
+        return self.cut(op, args, kwargs, c.reason)
+
+    def call(self, op, args: tuple, kwargs: dict | None = None) -> Any:
+        return self(op, args, kwargs or {})
+
+    # -- encoding: tensors become slot references, scalars keep their exact type ------------------
+    def enc(self, a: Any) -> Any:
+        tp = type(a)
+        if tp is LazyTensor:
+            s = a._slot
+            if s >= 0:
+                if a._vbase is not None and a._epoch != self.epoch:
+                    return self.fresh_view(a)
+                return REFS[s] if s < 4096 else ref(s)
+            return self.input_ref(a._value)
+        if tp is int or a is None or tp is str:
+            return a
+        if tp is list or tp is tuple:
+            return tuple([self.enc(x) for x in a])
+        if tp is float:
+            return "\0f" + a.hex()
+        if tp is bool:
+            return _TRUE if a else _FALSE
+        if isinstance(a, torch.Tensor):
+            return self.input_ref(a)
+        if tp is complex:
+            return "\0c" + repr(a)
+        return a
+
+    def input_ref(self, x: torch.Tensor) -> Ref:
+        if self.rgen:
+            root = x._base if x._base is not None else x
+            if id(root) in self.rgen:
+                return self.read_written(x, root)
+        s = self.inslot.get(id(x))
+        if s is None:
+            s = self.new_input(x)
+        return ref(s)
+
+    def new_input(self, x: torch.Tensor) -> int:
+        if x.device.type != "cpu" or x.layout != torch.strided:
+            raise Unrecordable(f"input on {x.device} with layout {x.layout}")
+        role = "param" if isinstance(x, torch.nn.Parameter) else "input"
+        key = (INPUT, meta_of(x), role)
+        node = self.node.children.get(key)
+        if node is None:
+            node = self.node.children[key] = Node(self.node, INPUT, (), (), (meta_of(x),), False, role=role)
+        self.node = node
+        s = node.out_slots[0]
+        self.inslot[id(x)] = s
+        self.inputs.append(x)
+        return s
+
+    # -- recording ------------------------------------------------------------------------------
+    def record(self, op, is_view: bool, args: tuple, kwargs: dict) -> Any:
+        enc = self.enc
+        try:
+            eargs = tuple([enc(a) for a in args])
+            ekw = tuple([(k, enc(v)) for k, v in kwargs.items()]) if kwargs else ()
+            key = (op, eargs, ekw)
+            node = self.node.children.get(key)
+            if node is None:
+                node = self.new_node(op, is_view, args, kwargs, key)
+        except Unrecordable as e:
+            return self.cut(op, args, kwargs, str(e))
+        self.node = node
+        self.n_ops += 1
+        live = self.live
+        if not node.sequence:
+            shape, stride, offset, dtype = node.out_metas[0]
+            t = _make(LazyTensor, shape, stride, offset, None, dtype)
+            t._slot = node.out_slots[0]
+            t._value = None
+            t._gen = 0
+            if is_view:
+                self.mark_view(t, op, args, kwargs)
+            else:
+                t._vbase = None
+            live.append(_wref(t))
+            return t
+        outs = []
+        for slot, m in zip(node.out_slots, node.out_metas):
+            if m is None:
+                outs.append(None)
+                continue
+            t = _make(LazyTensor, m[0], m[1], m[2], None, m[3])
+            t._slot, t._value, t._gen, t._vbase = slot, None, 0, None
+            live.append(_wref(t))
+            outs.append(t)
+        return node.sequence(outs)
+
+    def new_node(self, op, is_view: bool, args: tuple, kwargs: dict, key: tuple) -> Node:
+        metas, sequence = infer(op, args, kwargs)
+        node = Node(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3))
+        self.node.children[key] = node
+        return node
+
+    def mark_view(self, t: LazyTensor, op, args: tuple, kwargs: dict) -> None:
+        src = args[0]
+        if type(src) is LazyTensor and src._slot >= 0:
+            base, chain = (src, ()) if src._vbase is None else (src._vbase, src._vchain)
+        else:
+            base, chain = (src._value if type(src) is LazyTensor else src), ()
+        t._vbase = base
+        t._vchain = chain + ((op, args[1:], kwargs),)
+        t._bgen = self.gen_of(base)
+        t._epoch = self.epoch
+
+    # -- views and writes -----------------------------------------------------------------------
+    def gen_of(self, base: Any) -> int:
+        if type(base) is LazyTensor:
+            return base._gen
+        if not self.rgen:
+            return 0
+        root = base._base if base._base is not None else base
+        return self.rgen.get(id(root), 0)
+
+    def fresh_view(self, v: LazyTensor) -> Ref:
+        """The current value of a pending view whose base may have been written since."""
+        g = self.gen_of(v._vbase)
+        if g != v._bgen:
+            v._slot = views.replay(self.call, v._vbase, v._vchain)._slot
+            v._bgen = g
+        v._epoch = self.epoch
+        return ref(v._slot)
+
+    def read_written(self, x: torch.Tensor, root: torch.Tensor) -> Ref:
+        cur = self.rcur[id(root)]
+        if x is root:
+            return self.enc(cur)
+        if not (root.is_contiguous() and root.storage_offset() == 0):
+            raise Unrecordable("read of a view of a non-contiguous tensor written in this graph")
+        dense = self.call(aten.clone.default, (cur,), {"memory_format": torch.contiguous_format})
+        return self.enc(self.call(aten.as_strided.default, (dense, list(x.shape), list(x.stride()), x.storage_offset())))
+
+    def inplace(self, op, functional, args: tuple, kwargs: dict) -> Any:
+        if classify(functional).kind is Kind.CUT:
+            return self.cut(op, args, kwargs, classify(functional).reason)
+        dst = args[0]
+        new = self.call(functional, args, kwargs)
+        if new.dtype != dst.dtype:
+            new = self.call(aten._to_copy.default, (new,), {"dtype": dst.dtype})
+        if tuple(new.shape) != tuple(dst.shape):
+            raise RuntimeError(f"{op}: output with shape {list(dst.shape)} doesn't match the broadcast shape {list(new.shape)}")
+        try:
+            self.assign(dst, new)
+        except Unrecordable as e:
+            return self.cut(op, args, kwargs, str(e))
+        return dst
+
+    def assign(self, dst: Any, new: Any) -> None:
+        """Record that `dst` now holds `new` (same shape and dtype)."""
+        self.epoch += 1
+        if type(dst) is LazyTensor and dst._slot >= 0:
+            base = dst._vbase
+            if base is not None:
+                self.assign(base, views.scatter(self.call, base, dst._vchain, new))
+                dst._bgen = self.gen_of(base)
+            else:
+                dst._gen += 1
+            dst._slot = self.enc(new).slot
+            dst._epoch = self.epoch
+            return
+        x = dst._value if type(dst) is LazyTensor else dst
+        root = x._base if x._base is not None else x
+        if root is not x:
+            if not (root.is_contiguous() and root.storage_offset() == 0):
+                raise Unrecordable("in-place write into a view of a non-contiguous real tensor")
+            cur = self.rcur.get(id(root), root)
+            dense = self.call(aten.clone.default, (cur,), {"memory_format": torch.contiguous_format})
+            new = self.call(aten.as_strided_scatter.default,
+                            (dense, new, list(x.shape), list(x.stride()), x.storage_offset()))
+        self.enc(root)  # the root is a graph input before its first write
+        self.rcur[id(root)] = new
+        self.rgen[id(root)] = self.rgen.get(id(root), 0) + 1
+        self.roots[id(root)] = root
+
+    # -- cuts -----------------------------------------------------------------------------------
+    def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
+        self.flush(reason, op)
+        return run_eagerly(op, args, kwargs)
+
+    def sync(self, t: LazyTensor, reason: str) -> None:
+        """Called by a lazy tensor whose data Python needs (tolist, numpy, data_ptr, repr)."""
+        if t._slot >= 0 or self.roots:
+            self.flush(reason, None)
+
+    def flush(self, reason: str | None = None, op: Any = None) -> None:
+        """Run the pending graph and materialize every live lazy tensor it produced."""
+        if reason is not None:
+            events.STATS.syncs[reason.split(":")[0]] += 1
+            filename, line = user_frame(3)
+            events.emit(events.GraphBreak(reason, str(op) if op is not None else reason, filename, line))
+        if self.node is ROOT:
+            return
+        with _disable_current_modes():
+            self._flush()
+
+    def _flush(self) -> None:
+        state = tuple((self.inslot[i], self.enc(self.rcur[i]).slot) for i in self.roots)
+        bases, pviews = [], []
+        for w in self.live:
+            t = w()
+            if t is not None and t._slot >= 0:
+                (pviews if t._vbase is not None else bases).append(t)
+        outputs = tuple(dict.fromkeys(t._slot for t in bases))
+        node, inputs, roots = self.node, self.inputs, list(self.roots.values())
+        events.STATS.ops_recorded += self.n_ops
+        n_ops = self.n_ops
+        self._reset()
+        try:
+            values = self.execute(node, Signature(outputs, state), inputs, n_ops)
+        except BaseException:
+            for t in bases + pviews:  # their graph failed: they never get a value
+                t._slot = -1
+            raise
+        by_slot = dict(zip(outputs, values))
+        for t in bases:
+            t._value = by_slot[t._slot]
+            t._slot = -1
+        with torch.no_grad():
+            for root, v in zip(roots, values[len(outputs):]):
+                root.copy_(v)
+        for t in pviews:
+            base = t._vbase
+            v = base._value if type(base) is LazyTensor else base
+            for vop, rest, kw in t._vchain:
+                v = vop(v, *rest, **kw)
+            t._value, t._slot, t._vbase, t._vchain = v, -1, None, None

@@ -1,0 +1,141 @@
+"""The recording IR: a trie of op sequences.
+
+Each edge is one recorded step — an input entering the graph, or an op with its arguments
+encoded (tensors as slot references, scalars exactly). The node reached after the last step *is*
+the incremental structural key of the pending graph, and each node carries what the step
+produced (output slots and metadata, source line), so a graph recorded before is replayed with
+one dict lookup per op and no shape inference.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torchnative.capture.meta import Meta, meta_tensor
+from torchnative.ir import CapturedGraph, Role
+
+INPUT = "input"
+
+
+class Ref:
+    """A reference to a graph value by slot. Interned: one object per slot number, so the
+    default identity hash and equality are exact and fast."""
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"%{self.slot}"
+
+
+REFS: list[Ref] = [Ref(i) for i in range(4096)]
+
+
+def ref(slot: int) -> Ref:
+    while slot >= len(REFS):
+        REFS.extend(Ref(i) for i in range(len(REFS), 2 * len(REFS)))
+    return REFS[slot]
+
+
+class Node:
+    __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
+                 "is_view", "role", "stack", "children", "next_slot", "depth")
+
+    def __init__(self, parent: "Node | None", op: Any, args: tuple, kwargs: tuple,
+                 out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
+                 stack: tuple | None = None):
+        self.parent = parent
+        self.op = op
+        self.args = args
+        self.kwargs = kwargs
+        first = parent.next_slot if parent is not None else 0
+        self.out_slots = tuple(range(first, first + len(out_metas)))
+        self.next_slot = first + len(out_metas)
+        self.out_metas = out_metas
+        self.sequence = sequence
+        self.is_view = is_view
+        self.role = role
+        self.stack = stack
+        self.children: dict = {}
+        self.depth = parent.depth + 1 if parent is not None else 0
+
+    def path(self) -> list["Node"]:
+        nodes, n = [], self
+        while n.parent is not None:
+            nodes.append(n)
+            n = n.parent
+        nodes.reverse()
+        return nodes
+
+
+ROOT = Node(None, None, (), (), (), False)
+
+
+def _decode(x: Any, env: dict) -> Any:
+    tp = type(x)
+    if tp is Ref:
+        return env[x.slot]
+    if tp is tuple:
+        return [_decode(v, env) for v in x]
+    if tp is str and x[:1] == "\0":
+        tag = x[1]
+        if tag == "f":
+            return float.fromhex(x[2:])
+        if tag == "c":
+            return complex(x[2:])
+        return tag == "T"
+    return x
+
+
+def decode_scalar(x: Any) -> Any:
+    """The Python value of an encoded non-tensor argument."""
+    return _decode(x, {})
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Which slots leave the graph: live outputs, and (input slot, new value slot) state writes."""
+    outputs: tuple
+    state: tuple
+
+
+def build_graph(node: Node, sig: Signature) -> CapturedGraph:
+    """The CapturedGraph (Core ATen fx.GraphModule + roles) for the path ending at `node`."""
+    g = fx.Graph()
+    env: dict = {}
+    roles: list[Role] = []
+    state_inputs = {s for s, _ in sig.state}
+    for n in node.path():
+        if n.op == INPUT:
+            slot = n.out_slots[0]
+            p = g.placeholder(f"in_{slot}")
+            p.meta["val"] = meta_tensor(n.out_metas[0])
+            roles.append("state" if slot in state_inputs else n.role)
+            env[slot] = p
+            continue
+        args = tuple(_decode(a, env) for a in n.args)
+        kwargs = {k: _decode(v, env) for k, v in n.kwargs}
+        call = g.call_function(n.op, args, kwargs)
+        call.meta["stack"] = n.stack
+        if n.sequence:
+            call.meta["val"] = [None if m is None else meta_tensor(m) for m in n.out_metas]
+            for i, (slot, m) in enumerate(zip(n.out_slots, n.out_metas)):
+                if m is not None:
+                    item = g.call_function(operator.getitem, (call, i))
+                    item.meta["val"] = meta_tensor(m)
+                    item.meta["stack"] = n.stack
+                    env[slot] = item
+        else:
+            call.meta["val"] = meta_tensor(n.out_metas[0])
+            env[n.out_slots[0]] = call
+    outs = [env[s] for s in sig.outputs] + [env[s] for _, s in sig.state]
+    g.output(outs)
+    g.eliminate_dead_code()
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    out_roles = ["output"] * len(sig.outputs) + ["state_update"] * len(sig.state)
+    return CapturedGraph(gm, roles, out_roles)

@@ -1,0 +1,1 @@
+"""Delegates: one module per target. Each has `available()`, and `compile(graph)` → callable."""

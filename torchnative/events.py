@@ -1,0 +1,51 @@
+"""Counters and events that the layers emit and the inspector listens to."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class GraphBreak:
+    reason: str
+    op: str
+    filename: str
+    line: int
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    graph: Any           # CapturedGraph
+    cache_hit: bool
+    n_ops_recorded: int
+
+
+@dataclass
+class Stats:
+    ops_recorded: int = 0
+    graphs_built: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    graph_runs: int = 0
+    syncs: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
+                "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
+                "graph_runs": self.graph_runs, "syncs": dict(self.syncs)}
+
+
+STATS = Stats()
+_listeners: list[Callable[[Any], None]] = []
+
+
+def emit(event: Any) -> None:
+    for fn in _listeners:
+        fn(event)
+
+
+def listen(fn: Callable[[Any], None]) -> Callable[[], None]:
+    """Register `fn` for every event; returns a function that unregisters it."""
+    _listeners.append(fn)
+    return lambda: _listeners.remove(fn)

@@ -1,0 +1,48 @@
+"""The one IR that crosses every layer: CapturedGraph (DESIGN.md §2)."""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.fx as fx
+
+Role = Literal["input", "param", "pinned", "state", "constant"]
+OutputRole = Literal["output", "state_update"]
+
+
+@dataclass
+class CapturedGraph:
+    """A Core ATen `fx.GraphModule` plus the role of each placeholder and output.
+
+    Every call node carries `meta["val"]` (a meta tensor: shape/dtype/stride) and
+    `meta["stack"]` ((filename, line) of the user code that issued it).
+    """
+    gm: fx.GraphModule
+    input_roles: list[Role]
+    output_roles: list[OutputRole]
+    _key: str | None = field(default=None, repr=False)
+
+    def op_nodes(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+
+    def ops(self) -> list[str]:
+        return [str(n.target) for n in self.op_nodes()]
+
+    def op_counts(self) -> Counter:
+        return Counter(self.ops())
+
+    @property
+    def key(self) -> str:
+        """Deterministic hash of ops, argument structure, scalars, input metadata and roles."""
+        if self._key is None:
+            h = hashlib.sha256()
+            for n in self.gm.graph.nodes:
+                val = n.meta.get("val")
+                meta = (tuple(val.shape), tuple(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None
+                h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta)).encode())
+            h.update(repr((self.input_roles, self.output_roles)).encode())
+            self._key = h.hexdigest()
+        return self._key
