@@ -1,0 +1,103 @@
+"""torchnative: graph capture at PyTorch's aten dispatch door.
+
+Eager programs run unmodified; the aten ops they issue are recorded into Core ATen graphs,
+cut where Python needs a value, and run as compiled programs, with eager semantics.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from torchnative import events
+from torchnative.inspector.explain import Explanation
+from torchnative.inspector.explain import explain as _explain
+from torchnative.runtime.program import CapturedOpError
+from torchnative.runtime.session import session
+from torchnative.shim import LazyTensor
+
+__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats",
+           "CapturedOpError", "Explanation", "LazyTensor"]
+__version__ = "0.1.0"
+
+_ORIGINAL = "_torchnative_original_forward"
+
+
+@contextmanager
+def capture(delegates: Sequence[str] | None = None) -> Iterator[None]:
+    """Capture every aten op run inside the block.
+
+    Ops are recorded lazily and run as compiled graphs when Python needs a value (`.item()`,
+    `bool()`, `.tolist()`, printing, data-dependent shapes, ...) and when the block ends. Tensors
+    created inside stay valid after it.
+
+    Args:
+        delegates: preference order of delegates for the captured graphs (default: the best
+            available). Only `"eager"` exists so far.
+    """
+    with session(delegates):
+        yield
+
+
+def _real_outputs(out: Any) -> Any:
+    """Model outputs as plain tensors where autograd does not need the lazy wrapper."""
+    if type(out) is LazyTensor:
+        return out if out.requires_grad else out._value
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return type(out)(_real_outputs(o) for o in out)
+    if isinstance(out, list):
+        return [_real_outputs(o) for o in out]
+    if isinstance(out, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for k, v in list(out.items()):
+            out[k] = _real_outputs(v)
+    return out
+
+
+def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None) -> torch.nn.Module:
+    """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
+
+    Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
+    """
+    if _ORIGINAL in model.__dict__:
+        return model
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with session(delegates):
+            out = original(*args, **kwargs)
+        return _real_outputs(out)
+
+    model.__dict__[_ORIGINAL] = original
+    model.forward = forward
+    return model
+
+
+def deaccelerate(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `accelerate(model)`; a model that is not accelerated is returned unchanged."""
+    if _ORIGINAL in model.__dict__:
+        del model.__dict__["forward"]
+        del model.__dict__[_ORIGINAL]
+    return model
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any) -> Explanation:
+    """Run `fn(*args, **kwargs)` under capture and report what was captured.
+
+    Returns an Explanation with `graphs` (CapturedGraphs; `.ops()` lists each one's ops),
+    `breaks` (reason, op, filename, line of each graph break), `op_counts` and `output`.
+    """
+    return _explain(fn, *args, **kwargs)
+
+
+def stats() -> dict:
+    """Counters since the last reset: ops recorded, graphs built, program cache hits and misses,
+    graph runs, and sync points by reason."""
+    return events.STATS.as_dict()
+
+
+def reset_stats() -> None:
+    """Zero the counters of `stats()`."""
+    events.STATS = events.Stats()

@@ -34,6 +34,10 @@ _RECORD, _DECOMPOSE, _INPLACE, _IDENTITY = Kind.RECORD, Kind.DECOMPOSE, Kind.INP
 # frames inside these directories are not the user's code
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(torch.empty(0, dtype=dtype, device="meta").type()).split(".")[-1].replace("Tensor", "")
+
+
 Execute = Callable[[Node, Signature, list], list]
 
 
@@ -221,6 +225,8 @@ class Recorder:
         dst = args[0]
         new = self.call(functional, args, kwargs)
         if new.dtype != dst.dtype:
+            if not torch.can_cast(new.dtype, dst.dtype):
+                raise RuntimeError(f"result type {_dtype_name(new.dtype)} can't be cast to the desired output type {_dtype_name(dst.dtype)}")
             new = self.call(aten._to_copy.default, (new,), {"dtype": dst.dtype})
         if tuple(new.shape) != tuple(dst.shape):
             raise RuntimeError(f"{op}: output with shape {list(dst.shape)} doesn't match the broadcast shape {list(new.shape)}")

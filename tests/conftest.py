@@ -1,0 +1,47 @@
+import copy
+
+import pytest
+import torch
+
+import torchnative
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return copy.deepcopy(x)
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    """Same pytree structure; tensors of the same dtype/shape with close values."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (type(a), type(b))
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        torch.testing.assert_close(torch.Tensor(a.detach()) if False else a.detach().clone(), b.detach().clone(),
+                                   rtol=rtol, atol=atol, equal_nan=True)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y, rtol, atol)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k], rtol, atol)
+    else:
+        assert a == b, (a, b)
+
+
+def run_both(fn, *args):
+    """fn eagerly and under capture() on separate copies of args: (eager out, eager args,
+    captured out, captured args)."""
+    eargs = [_clone(a) for a in args]
+    cargs = [_clone(a) for a in args]
+    eout = fn(*eargs)
+    with torchnative.capture():
+        cout = fn(*cargs)
+    return eout, eargs, cout, cargs
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,98 @@
+"""Eager semantics under capture: views, in-place writes, aliasing, state, sync points."""
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import assert_same, run_both
+
+CASES = {
+    "elementwise": lambda x: (x * 2 + 1).relu().sum(-1),
+    "inplace_on_lazy": lambda x: (lambda y: (y.add_(1), y.mul_(3), y)[-1])(x * 2),
+    "inplace_on_real_input": lambda x: x.add_(1).mul(2),
+    "setitem_slice_of_lazy": lambda x: (lambda y: (y.__setitem__((slice(None), slice(0, 2)), 7.0), y)[-1])(x.clone()),
+    "view_sees_base_write": lambda x: (lambda y: (lambda v: (y.add_(10), v * 1)[-1])(y[1]))(x.clone()),
+    "base_sees_view_write": lambda x: (lambda y: (y[0].mul_(0), y.sum())[-1])(x.clone()),
+    "view_of_view_write": lambda x: (lambda y: (y.view(-1)[2:5].fill_(-1), y)[-1])(x.clone()),
+    "transpose_write": lambda x: (lambda y: (y.t()[0].fill_(3), y)[-1])(x.clone()),
+    "real_view_write": lambda x: (x[1].fill_(5), x * 1)[-1],
+    "real_view_read_after_base_write": lambda x: (lambda v: (x.mul_(2), v + 0)[-1])(x[:, 1]),
+    "dtype_cast_inplace": lambda x: (lambda y: (y.add_(x), y)[-1])(x.to(torch.float16)),
+    "factories": lambda x: x + torch.arange(x.shape[-1]) + torch.full((1,), 2.0) + torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    "split_unbind": lambda x: [a.sum() for a in x.split(1)] + list(x.unbind(1)),
+    "index_copy_state": lambda x, buf: (buf.index_copy_(0, torch.tensor([1]), x[:1]), buf.sum())[-1],
+    "masked_fill_inplace": lambda x: x.clone().masked_fill_(x > 0, 0.0),
+    "item_sync": lambda x: x * (x.sum().item() > 0),
+    "bool_branch": lambda x: x + 1 if bool((x > 0).any()) else x - 1,
+    "nonzero_cut": lambda x: x[x > 0].sum() + torch.nonzero(x).shape[0],
+    "tolist": lambda x: torch.tensor((x * 2).tolist()) + x.sum(),
+    "multi_output": lambda x: torch.nn.functional.layer_norm(x, (4,)),
+    "sdpa": lambda x: torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None]),
+    "batch_norm_train": lambda x, rm: torch.nn.functional.batch_norm(x, rm, rm.clone() + 1, training=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_matches_eager(name):
+    fn = CASES[name]
+    args = [torch.randn(3, 4)]
+    if fn.__code__.co_argcount == 2:
+        args.append(torch.randn(3, 4) if name != "batch_norm_train" else torch.zeros(4))
+    eout, eargs, cout, cargs = run_both(fn, *args)
+    assert_same(cout, eout)
+    assert_same(cargs, eargs)  # writes into real inputs were written back
+
+
+def test_outputs_become_real_values():
+    x = torch.randn(3)
+    with torchnative.capture():
+        y = x + 1
+    assert torch.equal(y, x + 1)
+    assert y.data_ptr() != 0
+    assert (y.numpy() == (x + 1).numpy()).all()
+
+
+def test_lazy_view_shares_memory_after_capture():
+    x = torch.randn(3, 4)
+    with torchnative.capture():
+        y = x * 1
+        v = y[0]
+    v.fill_(0)  # outside capture: an eager write through a view
+    assert torch.equal(y[0], torch.zeros(4))
+
+
+def test_data_ptr_never_zero_inside_capture():
+    with torchnative.capture():
+        y = torch.ones(3) * 2
+        assert y.data_ptr() != 0
+        assert y.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_same_code_reuses_program():
+    x = torch.randn(8)
+    torchnative.reset_stats()
+    for _ in range(3):
+        with torchnative.capture():
+            y = (x.sin() * 2).sum()
+    s = torchnative.stats()
+    assert s["graphs_built"] == 1 and s["cache_hits"] == 2
+    assert torch.equal(y, (x.sin() * 2).sum())
+
+
+def test_shape_error_is_eagers_error():
+    a, b = torch.randn(2, 3), torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        with torchnative.capture():
+            a @ b
+
+
+def test_run_time_error_names_op_and_line():
+    weight, idx = torch.randn(5, 3), torch.tensor([1, 7])
+    with pytest.raises(torchnative.CapturedOpError, match=r"aten\.embedding.*test_semantics\.py:\d+"):
+        with torchnative.capture():
+            out = torch.nn.functional.embedding(idx, weight)  # noqa: F841 (discarded results are not computed)
+
+
+def test_inplace_cast_error_is_eagers():
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        with torchnative.capture():
+            torch.ones(3, dtype=torch.int64).add_(1.5)

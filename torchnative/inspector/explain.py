@@ -1,0 +1,61 @@
+"""`explain`: what a function captured, where its graph broke and why."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torchnative import events
+from torchnative.ir import CapturedGraph
+
+
+@dataclass
+class Explanation:
+    graphs: list[CapturedGraph] = field(default_factory=list)
+    breaks: list[events.GraphBreak] = field(default_factory=list)
+    output: Any = None
+
+    @property
+    def op_counts(self) -> Counter:
+        total: Counter = Counter()
+        for g in self.graphs:
+            total.update(g.op_counts())
+        return total
+
+    @property
+    def ops_recorded(self) -> int:
+        return sum(self.op_counts.values())
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.graphs)} graph(s), {self.ops_recorded} op(s), {len(self.breaks)} graph break(s)"]
+        for i, g in enumerate(self.graphs):
+            lines.append(f"  graph {i}: {len(g.op_nodes())} ops, inputs {_roles(g.input_roles)}, outputs {_roles(g.output_roles)}")
+        for b in self.breaks:
+            lines.append(f"  break at {b.filename}:{b.line}: {b.reason}")
+        top = ", ".join(f"{op.split('.')[1]}×{n}" for op, n in self.op_counts.most_common(8))
+        lines.append(f"  top ops: {top}")
+        return "\n".join(lines)
+
+
+def _roles(roles: list[str]) -> str:
+    return ", ".join(f"{n} {r}" for r, n in Counter(roles).items()) or "none"
+
+
+def explain(fn: Callable, *args, **kwargs) -> Explanation:
+    from torchnative.runtime.session import session  # the inspector only listens; this runs fn
+
+    result = Explanation()
+
+    def on_event(e: Any) -> None:
+        if isinstance(e, events.GraphRun):
+            result.graphs.append(e.graph)
+        elif isinstance(e, events.GraphBreak):
+            result.breaks.append(e)
+
+    stop = events.listen(on_event)
+    try:
+        with session():
+            result.output = fn(*args, **kwargs)
+    finally:
+        stop()
+    return result
