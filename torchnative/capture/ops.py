@@ -18,6 +18,7 @@ aten = torch.ops.aten
 class Kind(enum.Enum):
     RECORD = "record"          # Core ATen op (or kept composite): becomes a graph node
     DECOMPOSE = "decompose"    # run its decomposition; the ops it calls pass the door again
+    DIRECT = "direct"          # run a decomposition of ours inside the recorder
     INPLACE = "inplace"        # record the functional variant, then write the result back
     IDENTITY = "identity"      # returns its argument (lift_fresh of a fresh literal)
     CUT = "cut"                # needs concrete data, or nothing can record it: run eagerly
@@ -49,22 +50,61 @@ DATA_DEPENDENT = frozenset({
 })
 
 
-def _split_with_sizes(x, split_sizes, dim=0):
+# Direct decompositions run inside the recorder (`call` records an op) without another pass
+# through the dispatcher; they cover the hottest non-core ops and the multi-output views, which
+# become single-output views so every recorded view has one base and an invertible chain.
+def _split_with_sizes(call, x, split_sizes, dim=0):
     out, start = [], 0
     for n in split_sizes:
-        out.append(aten.slice.Tensor(x, dim, start, start + n))
+        out.append(call(aten.slice.Tensor, (x, dim, start, start + n)))
         start += n
     return out
 
 
-def _split(x, split_size, dim=0):
+def _split(call, x, split_size, dim=0):
     size = x.shape[dim]
     sizes = [min(split_size, size - s) for s in range(0, size, split_size)] if size else [0]
-    return _split_with_sizes(x, sizes, dim)
+    return _split_with_sizes(call, x, sizes, dim)
 
 
-def _unbind(x, dim=0):
-    return [aten.select.int(x, dim, i) for i in range(x.shape[dim])]
+def _unbind(call, x, dim=0):
+    return [call(aten.select.int, (x, dim, i)) for i in range(x.shape[dim])]
+
+
+def _transpose(call, x, dim0, dim1):
+    n = x.dim()
+    perm = list(range(n))
+    if n:
+        perm[dim0 % n], perm[dim1 % n] = perm[dim1 % n], perm[dim0 % n]
+    return call(aten.permute.default, (x, perm))
+
+
+def _t(call, x):
+    return _transpose(call, x, 0, 1) if x.dim() == 2 else call(aten.alias.default, (x,))
+
+
+def _unsafe_view(call, x, size):
+    return call(aten.view.default, (x, size))
+
+
+def _to_dtype(call, x, dtype, non_blocking=False, copy=False, memory_format=None):
+    if x.dtype == dtype and not copy and memory_format in (None, torch.preserve_format):
+        return x
+    kwargs = {"dtype": dtype} if memory_format is None else {"dtype": dtype, "memory_format": memory_format}
+    return call(aten._to_copy.default, (x,), kwargs)
+
+
+DIRECT_DECOMPOSITIONS: dict = {
+    aten.split_with_sizes.default: _split_with_sizes,
+    aten.unsafe_split_with_sizes.default: _split_with_sizes,
+    aten.split.Tensor: _split,
+    aten.unsafe_split.Tensor: _split,
+    aten.unbind.int: _unbind,
+    aten.transpose.int: _transpose,
+    aten.t.default: _t,
+    aten._unsafe_view.default: _unsafe_view,
+    aten.to.dtype: _to_dtype,
+}
 
 
 def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -82,14 +122,8 @@ def _native_batch_norm(x, weight, bias, running_mean, running_var, training, mom
     return out, mean, rstd
 
 
-# Multi-output views become single-output views, so every recorded view has one base and an
-# invertible chain (see capture/views.py).
+# Decompositions of ours that run through the dispatcher like torch's own.
 DOOR_DECOMPOSITIONS: dict = {
-    aten.split_with_sizes.default: _split_with_sizes,
-    aten.unsafe_split_with_sizes.default: _split_with_sizes,
-    aten.split.Tensor: _split,
-    aten.unsafe_split.Tensor: _split,
-    aten.unbind.int: _unbind,
     aten.native_batch_norm.default: _native_batch_norm,
 }
 
@@ -98,9 +132,11 @@ _CLASSES: dict = {}
 
 
 def classify(op: torch._ops.OpOverload) -> OpClass:
-    c = _CLASSES.get(op)
+    # keyed by id: OpOverloads are interned for the life of the process, and their __hash__ is
+    # Python code that the door would otherwise pay on every op
+    c = _CLASSES.get(id(op))
     if c is None:
-        c = _CLASSES[op] = _classify(op)
+        c = _CLASSES[id(op)] = _classify(op)
     return c
 
 
@@ -125,6 +161,8 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.RECORD)
     if op is aten.lift_fresh.default:
         return OpClass(Kind.IDENTITY)
+    if op in DIRECT_DECOMPOSITIONS:
+        return OpClass(Kind.DIRECT, decomposition=DIRECT_DECOMPOSITIONS[op])
     if op in DOOR_DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DOOR_DECOMPOSITIONS[op])
     if not _returns_tensors(schema):

@@ -29,7 +29,7 @@ aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
-_RECORD, _DECOMPOSE, _INPLACE, _IDENTITY = Kind.RECORD, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY
+_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY = Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY
 
 # frames inside these directories are not the user's code
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -74,6 +74,8 @@ class Recorder:
         k = c.kind
         if k is _RECORD:
             return self.record(op, c.is_view, args, kwargs)
+        if k is _DIRECT:
+            return c.decomposition(self.call, *args, **kwargs)
         if k is _DECOMPOSE:
             self.mode.push()
             try:
@@ -143,7 +145,7 @@ class Recorder:
         try:
             eargs = tuple([enc(a) for a in args])
             ekw = tuple([(k, enc(v)) for k, v in kwargs.items()]) if kwargs else ()
-            key = (op, eargs, ekw)
+            key = (id(op), eargs, ekw)
             node = self.node.children.get(key)
             if node is None:
                 node = self.new_node(op, is_view, args, kwargs, key)
@@ -156,12 +158,8 @@ class Recorder:
             shape, stride, offset, dtype = node.out_metas[0]
             t = _make(LazyTensor, shape, stride, offset, None, dtype)
             t._slot = node.out_slots[0]
-            t._value = None
-            t._gen = 0
             if is_view:
                 self.mark_view(t, op, args, kwargs)
-            else:
-                t._vbase = None
             live.append(_wref(t))
             return t
         outs = []
@@ -170,7 +168,7 @@ class Recorder:
                 outs.append(None)
                 continue
             t = _make(LazyTensor, m[0], m[1], m[2], None, m[3])
-            t._slot, t._value, t._gen, t._vbase = slot, None, 0, None
+            t._slot = slot
             live.append(_wref(t))
             outs.append(t)
         return node.sequence(outs)

@@ -25,16 +25,12 @@ class LazyTensor(torch.Tensor):
     #   _bgen   base generation seen when _slot was computed (a view is stale when it differs)
     #   _epoch  recorder mutation epoch seen last (cheap "nothing changed since" check)
     #   _gen    mutation generation of this tensor when it is a base
+    # Defaults live on the class so that creating a pending tensor sets only `_slot`.
+    _slot = -1
+    _value = None
+    _vbase = None
+    _gen = 0
     __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @staticmethod
-    def pending(shape, stride, offset, dtype, slot: int) -> "LazyTensor":
-        t = _make(LazyTensor, shape, stride, offset, None, dtype)
-        t._slot = slot
-        t._value = None
-        t._vbase = None
-        t._gen = 0
-        return t
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

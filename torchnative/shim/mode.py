@@ -13,6 +13,12 @@ from torchnative.shim import door
 
 
 class DoorMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim otherwise: several µs
+        # per op on the door's hot path, for a guarantee we do not need (nothing compiles there).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return door._aten_dispatch(func, args, kwargs or {})
 
