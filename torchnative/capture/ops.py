@@ -20,7 +20,10 @@ class Kind(enum.Enum):
     DECOMPOSE = "decompose"    # run its decomposition; the ops it calls pass the door again
     DIRECT = "direct"          # run a decomposition of ours inside the recorder
     INPLACE = "inplace"        # record the functional variant, then write the result back
+    RESHAPE = "reshape"        # in-place metadata change (squeeze_, t_, ...): record the view
     IDENTITY = "identity"      # returns its argument (lift_fresh of a fresh literal)
+    ANSWER = "answer"          # a metadata query answered without data
+    RANDOM = "random"          # draws from the global generator: runs now, as eager would
     CUT = "cut"                # needs concrete data, or nothing can record it: run eagerly
 
 
@@ -155,16 +158,32 @@ def _functional_variant(op: torch._ops.OpOverload):
     return getattr(packet, op._overloadname, None)
 
 
+_RESHAPES_INPLACE = frozenset({"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"})
+
+
 def _classify(op: torch._ops.OpOverload) -> OpClass:
     schema = op._schema
+    name = schema.name.split("::")[1]
+    if name in _RESHAPES_INPLACE:
+        functional = _functional_variant(op)
+        if functional is not None:
+            return OpClass(Kind.RESHAPE, functional=functional)
     if op in KEPT_COMPOSITES:
         return OpClass(Kind.RECORD)
     if op is aten.lift_fresh.default:
         return OpClass(Kind.IDENTITY)
+    if op is aten._has_compatible_shallow_copy_type.default:  # asked by `t.data = other`
+        return OpClass(Kind.ANSWER, decomposition=lambda a, b: type(a) is type(b))
+    if name in ("resize_", "set_", "resize_as_"):
+        return OpClass(Kind.CUT, reason=f"in-place storage change: {op}")
     if op in DIRECT_DECOMPOSITIONS:
         return OpClass(Kind.DIRECT, decomposition=DIRECT_DECOMPOSITIONS[op])
     if op in DOOR_DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DOOR_DECOMPOSITIONS[op])
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        # Recorded lazily, a random op would draw at flush time, after Python may have reseeded
+        # or restored the generator (fork_rng, manual_seed); so it runs when it is called.
+        return OpClass(Kind.RANDOM, reason=f"random op on a pending tensor: {op}")
     if not _returns_tensors(schema):
         return OpClass(Kind.CUT, reason=f"data read: {op} returns a Python value")
     if op in DATA_DEPENDENT:

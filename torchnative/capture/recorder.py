@@ -29,7 +29,8 @@ aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
-_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY = Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY
+_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE = (
+    Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE)
 
 # frames inside these directories are not the user's code
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -49,6 +50,21 @@ def user_frame(skip: int = 2) -> tuple[str, int]:
             return name, f.f_lineno
         f = f.f_back
     return "<unknown>", 0
+
+
+def _any_pending(args: tuple, kwargs: dict) -> bool:
+    for a in (*args, *kwargs.values()):
+        if type(a) is LazyTensor and a._slot >= 0:
+            return True
+        if type(a) in (list, tuple) and _any_pending(a, {}):
+            return True
+    return False
+
+
+def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
+    """Give the wrapper `dst` the shape/stride of `like`, keeping its Python identity."""
+    with torch.no_grad():
+        dst.data = _make(LazyTensor, like.shape, like.stride(), like.storage_offset(), None, like.dtype)
 
 
 class Recorder:
@@ -86,6 +102,12 @@ class Recorder:
             return self.inplace(op, c.functional, args, kwargs)
         if k is _IDENTITY:
             return args[0]
+        if k is _RESHAPE:
+            return self.reshape_inplace(op, c.functional, args, kwargs)
+        if k is Kind.ANSWER:
+            return c.decomposition(*args, **kwargs)
+        if k is Kind.RANDOM and not self.roots and not _any_pending(args, kwargs):
+            return run_eagerly(op, args, kwargs)
         return self.cut(op, args, kwargs, c.reason)
 
     def call(self, op, args: tuple, kwargs: dict | None = None) -> Any:
@@ -234,6 +256,18 @@ class Recorder:
             return self.cut(op, args, kwargs, str(e))
         return dst
 
+    def reshape_inplace(self, op, view_op, args: tuple, kwargs: dict) -> Any:
+        """`x.squeeze_()` and friends: x becomes the view, in place (same Python object)."""
+        dst = args[0]
+        if type(dst) is not LazyTensor or dst._slot < 0:
+            return self.cut(op, args, kwargs, f"in-place metadata change of a real tensor: {op}")
+        new = self.call(view_op, args, kwargs)
+        _set_meta(dst, new)
+        dst._slot = new._slot
+        if dst._vbase is not None:  # still a view of the same root, one step further
+            dst._vchain, dst._bgen, dst._epoch = new._vchain, new._bgen, new._epoch
+        return dst
+
     def assign(self, dst: Any, new: Any) -> None:
         """Record that `dst` now holds `new` (same shape and dtype)."""
         self.epoch += 1
@@ -264,7 +298,11 @@ class Recorder:
     # -- cuts -----------------------------------------------------------------------------------
     def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
         self.flush(reason, op)
-        return run_eagerly(op, args, kwargs)
+        out = run_eagerly(op, args, kwargs)
+        dst = args[0] if args else None
+        if type(dst) is LazyTensor and op._schema.is_mutable and dst._value.shape != dst.shape:
+            _set_meta(dst, dst._value)  # resize_/set_ changed the real value's shape
+        return out
 
     def sync(self, t: LazyTensor, reason: str) -> None:
         """Called by a lazy tensor whose data Python needs (tolist, numpy, data_ptr, repr)."""
