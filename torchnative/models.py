@@ -11,7 +11,7 @@ _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interme
 
 def _gpt2(size: str):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = (GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256) if size == "tiny"
+    cfg = (GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256, bos_token_id=999, eos_token_id=999) if size == "tiny"
            else GPT2Config())
     return GPT2LMHeadModel(cfg)
 

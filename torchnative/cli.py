@@ -1,0 +1,54 @@
+"""The `torchnative` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torchnative
+    from torchnative import models
+
+    model = models.build(args.model, args.size)
+    inputs = models.example_inputs(args.model, model)
+    print(f"torchnative demo: {args.model} ({args.size} config, random weights), inputs "
+          + ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items()))
+    with torch.no_grad():
+        reference = model(**inputs)
+        explanation = torchnative.explain(model, **inputs)
+        torchnative.accelerate(model)
+        torchnative.reset_stats()
+        t = time.perf_counter()
+        out = model(**inputs)
+        warm = time.perf_counter() - t
+    print(explanation)
+    key = "logits" if "logits" in reference else "last_hidden_state"
+    diff = (out[key] - reference[key]).abs().max().item()
+    same = torch.allclose(out[key], reference[key], rtol=1e-5, atol=1e-5)
+    print(f"accelerated forward ({warm * 1e3:.1f} ms, program cache: {torchnative.stats()['cache_hits']} hit(s)): "
+          f"{key} {'matches' if same else 'DIFFERS FROM'} eager (max abs diff {diff:.2e})")
+    return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchnative.models import BUILDERS
+
+    parser = argparse.ArgumentParser(prog="torchnative", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="accelerate a small built-in transformers model and compare with eager")
+    demo.add_argument("--model", choices=sorted(BUILDERS), default="gpt2")
+    demo.add_argument("--size", choices=["tiny", "base"], default="tiny")
+    args = parser.parse_args(argv)
+    if args.command in (None, "demo"):
+        if args.command is None:
+            args = parser.parse_args(["demo", *(argv or sys.argv[1:])])
+        return _demo(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
