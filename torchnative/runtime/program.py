@@ -70,5 +70,10 @@ def program_for(node: Node, sig: Signature) -> tuple[Program, bool]:
     return p, False
 
 
-def clear_cache() -> None:
+def clear_caches() -> None:
+    """Forget every compiled program, recorded trie path and inferred shape (a cold start)."""
+    from torchnative.capture import meta, trie
+
     _programs.clear()
+    trie.ROOT.children.clear()
+    meta._cache.clear()

@@ -1,0 +1,122 @@
+"""Cost of the door: µs per recorded op above eager, cold and warm, and forward time vs eager and
+torch.compile, on transformers models from small configs and on BERT-base.
+
+    python benchmarks/capture_overhead.py [--models gpt2,llama,bert,bert-base] [--runs 30] [--no-compile]
+
+Engines are interleaved round by round with idle gaps (thread pools keep spinning after a call and
+slow whatever runs next); in a round each engine runs once to wake up and then INNER times, and
+each figure is the median over rounds of the per-round medians. Writes
+benchmarks/results/capture_overhead.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchnative
+from torchnative import models
+from torchnative.runtime.program import clear_caches
+
+GAP_S = 0.05
+INNER = 5
+SEQ = {"tiny": 16, "base": 128}
+
+
+class PassThrough(TorchDispatchMode):
+    """The cheapest possible door: a mode that runs every op as it comes."""
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _time(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _spec(name: str) -> tuple[str, str]:
+    return (name[:-5], "base") if name.endswith("-base") else (name, "tiny")
+
+
+def bench(name: str, runs: int, with_compile: bool) -> dict:
+    arch, size = _spec(name)
+    model = models.build(arch, size)
+    inputs = models.example_inputs(arch, model, seq=SEQ[size])
+    eager = lambda: model(**inputs)  # noqa: E731
+    accel_model = torchnative.accelerate(models.build(arch, size))
+    accel = lambda: accel_model(**inputs)  # noqa: E731
+
+    def passthrough():
+        with PassThrough():
+            model(**inputs)
+
+    row: dict = {"model": name}
+    with torch.no_grad():
+        eager()
+        t_eager_first = min(_time(eager) for _ in range(3))
+        clear_caches()
+        torchnative.reset_stats()
+        row["accel_cold_ms"] = _time(accel) * 1e3
+        ops = torchnative.stats()["ops_recorded"]
+        row["ops_recorded"] = ops
+        row["graphs"] = torchnative.stats()["graph_runs"]
+        row["cold_us_per_op"] = (row["accel_cold_ms"] / 1e3 - t_eager_first) / ops * 1e6
+        engines = {"eager": eager, "accelerate": accel, "passthrough_mode": passthrough}
+        if with_compile:
+            compiled = torch.compile(model)
+            row["compile_first_call_s"] = _time(lambda: compiled(**inputs))
+            engines["torch.compile"] = lambda: compiled(**inputs)
+        samples: dict = {k: [] for k in engines}
+        for k in engines:  # warm-up
+            engines[k]()
+        for _ in range(runs):
+            for k, fn in engines.items():
+                fn()  # the first call after an idle gap pays the thread pools' wake-up
+                samples[k].append(statistics.median(_time(fn) for _ in range(INNER)))
+                time.sleep(GAP_S)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    row.update({f"{k}_ms": v * 1e3 for k, v in med.items()})
+    row["warm_us_per_op"] = (med["accelerate"] - med["eager"]) / ops * 1e6
+    row["passthrough_us_per_op"] = (med["passthrough_mode"] - med["eager"]) / ops * 1e6
+    row["accel_vs_eager"] = med["eager"] / med["accelerate"]
+    if "torch.compile" in med:
+        row["compile_vs_eager"] = med["eager"] / med["torch.compile"]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="gpt2,llama,bert,bert-base")
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--no-compile", action="store_true")
+    a = p.parse_args()
+    rows = []
+    for name in a.models.split(","):
+        rows.append(bench(name, a.runs, not a.no_compile))
+        print(f"  done {name}", flush=True)
+    cols = [("model", "{}"), ("ops_recorded", "{}"), ("graphs", "{}"), ("eager_ms", "{:.2f}"),
+            ("accelerate_ms", "{:.2f}"), ("accel_vs_eager", "{:.2f}x"), ("torch.compile_ms", "{:.2f}"),
+            ("compile_vs_eager", "{:.2f}x"), ("cold_us_per_op", "{:.0f}"), ("warm_us_per_op", "{:.1f}"),
+            ("passthrough_us_per_op", "{:.1f}")]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
+    out = Path(__file__).parent / "results" / "capture_overhead.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
