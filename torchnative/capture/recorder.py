@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torchnative import events
 from torchnative.capture import views
 from torchnative.capture.meta import Unrecordable, infer, meta_of
-from torchnative.capture.ops import Kind, classify
+from torchnative.capture.ops import _CLASSES, Kind, classify
 from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature, ref
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
@@ -82,11 +82,10 @@ class Recorder:
         self.rgen: dict[int, int] = {}            # id(real root) -> writes so far
         self.rcur: dict[int, Any] = {}            # id(real root) -> its current (lazy) value
         self.roots: dict[int, torch.Tensor] = {}  # id(real root) -> the root, for write-back
-        self.n_ops = 0
 
     # -- the handler ---------------------------------------------------------------------------
     def __call__(self, op, args: tuple, kwargs: dict) -> Any:
-        c = classify(op)
+        c = _CLASSES.get(id(op)) or classify(op)
         k = c.kind
         if k is _RECORD:
             return self.record(op, c.is_view, args, kwargs)
@@ -174,7 +173,6 @@ class Recorder:
         except Unrecordable as e:
             return self.cut(op, args, kwargs, str(e))
         self.node = node
-        self.n_ops += 1
         live = self.live
         if not node.sequence:
             shape, stride, offset, dtype = node.out_metas[0]
@@ -203,13 +201,16 @@ class Recorder:
 
     def mark_view(self, t: LazyTensor, op, args: tuple, kwargs: dict) -> None:
         src = args[0]
+        step = (op, args[1:], kwargs)
         if type(src) is LazyTensor and src._slot >= 0:
-            base, chain = (src, ()) if src._vbase is None else (src._vbase, src._vchain)
+            base = src._vbase
+            if base is None:
+                t._vbase, t._vchain, t._bgen = src, (step,), src._gen
+            else:
+                t._vbase, t._vchain, t._bgen = base, src._vchain + (step,), src._bgen
         else:
-            base, chain = (src._value if type(src) is LazyTensor else src), ()
-        t._vbase = base
-        t._vchain = chain + ((op, args[1:], kwargs),)
-        t._bgen = self.gen_of(base)
+            base = src._value if type(src) is LazyTensor else src
+            t._vbase, t._vchain, t._bgen = base, (step,), self.gen_of(base)
         t._epoch = self.epoch
 
     # -- views and writes -----------------------------------------------------------------------
@@ -329,8 +330,8 @@ class Recorder:
                 (pviews if t._vbase is not None else bases).append(t)
         outputs = tuple(dict.fromkeys(t._slot for t in bases))
         node, inputs, roots = self.node, self.inputs, list(self.roots.values())
-        events.STATS.ops_recorded += self.n_ops
-        n_ops = self.n_ops
+        n_ops = self.node.n_ops
+        events.STATS.ops_recorded += n_ops
         self._reset()
         try:
             values = self.execute(node, Signature(outputs, state), inputs, n_ops)

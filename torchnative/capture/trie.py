@@ -44,7 +44,7 @@ def ref(slot: int) -> Ref:
 
 class Node:
     __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
-                 "is_view", "role", "stack", "children", "next_slot", "depth")
+                 "is_view", "role", "stack", "children", "next_slot", "n_ops")
 
     def __init__(self, parent: "Node | None", op: Any, args: tuple, kwargs: tuple,
                  out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
@@ -62,7 +62,8 @@ class Node:
         self.role = role
         self.stack = stack
         self.children: dict = {}
-        self.depth = parent.depth + 1 if parent is not None else 0
+        # ops recorded on the path to here (inputs are not ops)
+        self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
 
     def path(self) -> list["Node"]:
         nodes, n = [], self
