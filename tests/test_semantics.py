@@ -96,3 +96,59 @@ def test_inplace_cast_error_is_eagers():
     with pytest.raises(RuntimeError, match="can't be cast"):
         with torchnative.capture():
             torch.ones(3, dtype=torch.int64).add_(1.5)
+
+
+def test_explain_reports_graphs_and_breaks_with_user_line():
+    def f(x):
+        y = x.sin() * 2
+        if y.sum().item() > 0:  # graph break here
+            y = y + 1
+        return y.cos()
+
+    x = torch.randn(6)
+    e = torchnative.explain(f, x)
+    assert len(e.graphs) == 2
+    assert "aten.sin.default" in e.graphs[0].ops() and "aten.cos.default" in e.graphs[1].ops()
+    assert len(e.breaks) == 1
+    brk = e.breaks[0]
+    assert brk.filename == __file__ and brk.op == "aten._local_scalar_dense.default"
+    assert "if y.sum().item() > 0" in open(__file__).read().splitlines()[brk.line - 1]
+    assert torch.allclose(e.output, f(x))
+    assert e.op_counts["aten.sin.default"] == 1
+
+
+def test_stats_count_syncs_by_reason():
+    torchnative.reset_stats()
+    x = torch.randn(4)
+    with torchnative.capture():
+        (x * 2).tolist()
+        print_target = repr(x + 1)  # noqa: F841
+    s = torchnative.stats()
+    assert s["syncs"] == {".tolist()": 1, "repr/print": 1}
+    assert s["ops_recorded"] == 2 and s["graph_runs"] == 2
+
+
+def test_inference_mode_capture():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        ref = model(x)
+        with torchnative.capture():
+            out = model(x)
+    assert torch.allclose(out, ref)
+
+
+def test_backward_inside_capture_matches_eager():
+    import copy
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(mlp)
+    x = torch.randn(5, 8)
+    mlp(x).pow(2).mean().backward()
+    torch.optim.SGD(mlp.parameters(), lr=0.1).step()
+    with torchnative.capture():
+        twin(x).pow(2).mean().backward()
+        torch.optim.SGD(twin.parameters(), lr=0.1).step()
+    for p, q in zip(mlp.parameters(), twin.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+        assert torch.allclose(p, q, atol=1e-6)
