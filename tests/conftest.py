@@ -17,8 +17,7 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (type(a), type(b))
         assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-        torch.testing.assert_close(torch.Tensor(a.detach()) if False else a.detach().clone(), b.detach().clone(),
-                                   rtol=rtol, atol=atol, equal_nan=True)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=atol, equal_nan=True)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b):

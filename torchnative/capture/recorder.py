@@ -125,6 +125,9 @@ class Recorder:
         if tp is int or a is None or tp is str:
             return a
         if tp is list or tp is tuple:
+            # the schema fixes a list's element type, so an int list needs no per-element tags
+            if not a or type(a[0]) is int:
+                return tuple(a)
             return tuple([self.enc(x) for x in a])
         if tp is float:
             return "\0f" + a.hex()
