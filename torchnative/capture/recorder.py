@@ -22,7 +22,7 @@ from torchnative import events
 from torchnative.capture import views
 from torchnative.capture.meta import Unrecordable, infer, meta_of
 from torchnative.capture.ops import _CLASSES, Kind, classify
-from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature, ref
+from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
@@ -120,7 +120,7 @@ class Recorder:
             if s >= 0:
                 if a._vbase is not None and a._epoch != self.epoch:
                     return self.fresh_view(a)
-                return REFS[s] if s < 4096 else ref(s)
+                return REFS[s]
             return self.input_ref(a._value)
         if tp is int or a is None or tp is str:
             return a
@@ -147,16 +147,16 @@ class Recorder:
         s = self.inslot.get(id(x))
         if s is None:
             s = self.new_input(x)
-        return ref(s)
+        return REFS[s]
 
     def new_input(self, x: torch.Tensor) -> int:
-        if x.device.type != "cpu" or x.layout != torch.strided:
-            raise Unrecordable(f"input on {x.device} with layout {x.layout}")
         role = "param" if isinstance(x, torch.nn.Parameter) else "input"
-        key = (INPUT, meta_of(x), role)
+        key = (INPUT, x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, role)
         node = self.node.children.get(key)
         if node is None:
-            node = self.node.children[key] = Node(self.node, INPUT, (), (), (meta_of(x),), False, role=role)
+            if x.device.type != "cpu" or x.layout != torch.strided:
+                raise Unrecordable(f"input on {x.device} with layout {x.layout}")
+            node = self.node.children[key] = Node(self.node, INPUT, (), (), (meta_of(x),), None, role=role)
         self.node = node
         s = node.out_slots[0]
         self.inslot[id(x)] = s
@@ -165,9 +165,14 @@ class Recorder:
 
     # -- recording ------------------------------------------------------------------------------
     def record(self, op, is_view: bool, args: tuple, kwargs: dict) -> Any:
-        enc = self.enc
+        enc, epoch, eargs = self.enc, self.epoch, []
         try:
-            eargs = tuple([enc(a) for a in args])
+            for a in args:  # enc() inlined for the common case: a current pending tensor
+                if type(a) is LazyTensor and a._slot >= 0 and (a._vbase is None or a._epoch == epoch):
+                    eargs.append(REFS[a._slot])
+                else:
+                    eargs.append(enc(a))
+            eargs = tuple(eargs)
             ekw = tuple([(k, enc(v)) for k, v in kwargs.items()]) if kwargs else ()
             key = (id(op), eargs, ekw)
             node = self.node.children.get(key)
@@ -232,7 +237,7 @@ class Recorder:
             v._slot = views.replay(self.call, v._vbase, v._vchain)._slot
             v._bgen = g
         v._epoch = self.epoch
-        return ref(v._slot)
+        return REFS[v._slot]
 
     def read_written(self, x: torch.Tensor, root: torch.Tensor) -> Ref:
         cur = self.rcur[id(root)]

@@ -33,13 +33,7 @@ class Ref:
         return f"%{self.slot}"
 
 
-REFS: list[Ref] = [Ref(i) for i in range(4096)]
-
-
-def ref(slot: int) -> Ref:
-    while slot >= len(REFS):
-        REFS.extend(Ref(i) for i in range(len(REFS), 2 * len(REFS)))
-    return REFS[slot]
+REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by Node, so REFS[slot] always exists
 
 
 class Node:
@@ -56,6 +50,8 @@ class Node:
         first = parent.next_slot if parent is not None else 0
         self.out_slots = tuple(range(first, first + len(out_metas)))
         self.next_slot = first + len(out_metas)
+        if self.next_slot > len(REFS):
+            REFS.extend(Ref(i) for i in range(len(REFS), 2 * self.next_slot))
         self.out_metas = out_metas
         self.sequence = sequence
         self.is_view = is_view
