@@ -1,19 +1,29 @@
-"""The reference executor: a captured graph's own aten ops on real tensors."""
+"""The reference executor: a captured graph's own aten ops on real tensors. Takes every node."""
 from __future__ import annotations
 
-from typing import Callable
+import torch.fx as fx
 
-import torch
-
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 
-name = "eager"
+
+class Eager:
+    name = "eager"
+
+    def available(self) -> Availability:
+        return Availability("executes")
+
+    def supports(self, node: fx.Node) -> Support:
+        return YES
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        # the artifact is the subgraph itself; the GraphModule object rides along in memory so
+        # that loading in the same process does not re-trace it
+        return Artifact(self.name, graph.gm.code.encode(), {"graph": graph})
+
+    def load(self, artifact: Artifact) -> Runner:
+        forward = artifact.meta["graph"].gm.forward
+        return lambda inputs: forward(*inputs)
 
 
-def available() -> tuple[str, str]:
-    return "executes", "upstream torch ops"
-
-
-def compile(graph: CapturedGraph) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    forward = graph.gm.forward
-    return lambda inputs: forward(*inputs)
+delegate = Eager()

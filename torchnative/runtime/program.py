@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from torchnative import events
 from torchnative.capture.trie import Node, Signature, build_graph
-from torchnative.delegates import eager
+from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 
 
@@ -20,7 +20,7 @@ class CapturedOpError(RuntimeError):
 class Program:
     def __init__(self, graph: CapturedGraph):
         self.graph = graph
-        self.run_fn: Callable = eager.compile(graph)
+        self.run_fn: Callable = eager.load(eager.compile(graph))
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         try:

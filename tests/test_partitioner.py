@@ -1,0 +1,100 @@
+"""The partitioner on hand-built graphs."""
+import operator
+
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import YES, Support
+from torchnative.partitioner import partition
+
+aten = torch.ops.aten
+
+
+class Takes:
+    """A delegate that supports the ops named."""
+
+    def __init__(self, name, ops):
+        self.name, self.ops = name, set(ops)
+
+    def supports(self, node):
+        return YES if node.target in self.ops else Support(False, f"{self.name} has no {node.target}")
+
+
+def _graph(build):
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(build(g, x))
+    return g
+
+
+def _layout(plan):
+    return [(p.delegate, [n.name for n in p.nodes]) for p in plan.partitions]
+
+
+def test_no_cycle_through_an_unsupported_node():
+    # a -> b(unsupported) -> c and a -> c: a and c must not merge
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        b = g.call_function(aten.sin.default, (a,), name="b")
+        return g.call_function(aten.add.Tensor, (a, b), name="c")
+
+    plan = partition(_graph(build), [Takes("d", {aten.relu.default, aten.add.Tensor})])
+    assert _layout(plan) == [("d", ["a"]), ("eager", ["b"]), ("d", ["c"])]
+    assert plan.declined["b"] == [("d", "d has no aten.sin.default")]
+
+
+def test_interleaved_delegates_follow_preference_order():
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        b = g.call_function(aten.cos.default, (a,), name="b")
+        c = g.call_function(aten.exp.default, (b,), name="c")
+        return g.call_function(aten.neg.default, (c,), name="d")
+
+    first = Takes("first", {aten.relu.default, aten.exp.default})
+    second = Takes("second", {aten.relu.default, aten.cos.default, aten.exp.default, aten.neg.default})
+    plan = partition(_graph(build), [first, second])
+    assert _layout(plan) == [("first", ["a"]), ("second", ["b"]), ("first", ["c"]), ("second", ["d"])]
+    plan = partition(_graph(build), [second, first])
+    assert _layout(plan) == [("second", ["a", "b", "c", "d"])]
+
+
+def test_all_supported_is_one_partition_and_empty_graph_has_none():
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        return g.call_function(aten.relu.default, (a,), name="b")
+
+    everything = Takes("all", {aten.relu.default})
+    assert _layout(partition(_graph(build), [everything])) == [("all", ["a", "b"])]
+    assert partition(_graph(lambda g, x: x), [everything]).partitions == []
+
+
+def test_small_regions_go_to_eager_with_a_reason():
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        b = g.call_function(aten.sin.default, (a,), name="b")
+        return g.call_function(aten.relu.default, (b,), name="c")
+
+    plan = partition(_graph(build), [Takes("d", {aten.relu.default})], min_ops=2)
+    assert _layout(plan) == [("eager", ["a", "b", "c"])]
+    assert "below the minimum of 2" in plan.declined["a"][-1][1]
+
+
+def test_getitem_stays_with_its_producer():
+    def build(g, x):
+        ln = g.call_function(aten.native_layer_norm.default, (x, [4], None, None, 1e-5), name="ln")
+        out = g.call_function(operator.getitem, (ln, 0), name="out")
+        return g.call_function(aten.sin.default, (out,), name="s")
+
+    plan = partition(_graph(build), [Takes("d", {aten.native_layer_norm.default})])
+    assert _layout(plan) == [("d", ["ln", "out"]), ("eager", ["s"])]
+
+
+def test_partitioning_is_deterministic():
+    def build(g, x):
+        outs = []
+        for i in range(6):
+            outs.append(g.call_function(aten.relu.default if i % 2 else aten.sin.default, (x,), name=f"n{i}"))
+        return outs
+
+    delegates = [Takes("d", {aten.relu.default})]
+    assert _layout(partition(_graph(build), delegates)) == _layout(partition(_graph(build), delegates))

@@ -1,0 +1,55 @@
+"""The delegate interface (DESIGN.md §5): small, like a device in tinygrad or a backend in
+ExecuTorch. Each delegate module provides one `Delegate` instance."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol
+
+import torch
+import torch.fx as fx
+
+from torchnative.ir import CapturedGraph
+
+Status = Literal["executes", "compile-only", "unavailable"]
+
+
+@dataclass(frozen=True)
+class Availability:
+    status: Status
+    reason: str = ""          # why not fully usable here
+    install_hint: str = ""    # what to run to make it usable
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""          # why not, when not
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+YES = Support(True)
+
+
+@dataclass
+class Artifact:
+    """What `compile` produces: serializable bytes plus what `load` needs to run them."""
+    delegate: str
+    payload: bytes
+    meta: dict = field(default_factory=dict)
+
+
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+class Delegate(Protocol):
+    name: str
+
+    def available(self) -> Availability: ...
+
+    def supports(self, node: fx.Node) -> Support: ...
+
+    def compile(self, graph: CapturedGraph) -> Artifact: ...
+
+    def load(self, artifact: Artifact) -> Runner: ...

@@ -1,0 +1,119 @@
+"""CapturedGraph + delegates → partitions in execution order.
+
+Each call node goes to the first delegate (in the user's preference order) that supports it;
+connected nodes of one delegate grow into maximal regions without creating a cycle between
+partitions; regions below `min_ops` go to eager. Every node a delegate declined keeps the reason.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import networkx as nx
+import torch.fx as fx
+
+from torchnative.delegates.base import Delegate
+
+EAGER = "eager"
+
+
+@dataclass(frozen=True)
+class Partition:
+    delegate: str
+    nodes: tuple[fx.Node, ...]  # in graph order
+
+    @property
+    def n_ops(self) -> int:
+        return sum(1 for n in self.nodes if n.target is not operator.getitem)
+
+
+@dataclass
+class Plan:
+    partitions: list[Partition]  # in execution order
+    declined: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # node -> [(delegate, reason)]
+
+    def delegate_of(self) -> dict[str, str]:
+        return {n.name: p.delegate for p in self.partitions for n in p.nodes}
+
+
+def partition(graph: fx.Graph, delegates: Sequence[Delegate], min_ops: int = 1) -> Plan:
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    label, declined = _label(nodes, delegates)
+    groups = _grow(nodes, label)
+    small = [g for g in groups if label[g[0]] != EAGER and _ops(g) < min_ops]
+    for g in small:
+        for n in g:
+            declined.setdefault(n.name, []).append(
+                (label[n], f"its region has {_ops(g)} op(s), below the minimum of {min_ops}"))
+            label[n] = EAGER
+    if small:
+        groups = _grow(nodes, label)
+    return Plan([Partition(label[g[0]], tuple(g)) for g in groups], declined)
+
+
+def _ops(group: list[fx.Node]) -> int:
+    return sum(1 for n in group if n.target is not operator.getitem)
+
+
+def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, dict]:
+    label: dict[fx.Node, str] = {}
+    declined: dict[str, list[tuple[str, str]]] = {}
+    for n in nodes:
+        if n.target is operator.getitem:  # goes with the node whose output it unpacks
+            label[n] = label[n.args[0]]
+            continue
+        for d in delegates:
+            verdict = d.supports(n)
+            if verdict:
+                label[n] = d.name
+                break
+            declined.setdefault(n.name, []).append((d.name, verdict.reason))
+        else:
+            label[n] = EAGER
+    return label, declined
+
+
+def _grow(nodes: list[fx.Node], label: dict) -> list[list[fx.Node]]:
+    """Merge same-label neighbours while the partition graph stays acyclic; groups in a
+    deterministic topological order."""
+    index = {n: i for i, n in enumerate(nodes)}
+    part = dict(index)
+    members = {i: [n] for i, n in enumerate(nodes)}
+    q = nx.DiGraph()
+    q.add_nodes_from(range(len(nodes)))
+    for n in nodes:
+        for u in n.all_input_nodes:
+            if u in index:
+                q.add_edge(index[u], index[n])
+    for n in nodes:
+        for u in n.all_input_nodes:
+            if u not in index or label[u] != label[n]:
+                continue
+            a, b = part[u], part[n]
+            if a != b and not _would_cycle(q, a, b):
+                _merge(q, members, part, a, b)
+    order = nx.lexicographical_topological_sort(q, key=lambda p: min(index[m] for m in members[p]))
+    return [sorted(members[p], key=index.__getitem__) for p in order]
+
+
+def _would_cycle(q: nx.DiGraph, a: int, b: int) -> bool:
+    """Would contracting a and b close a cycle, i.e. is there a path between them through
+    another partition?"""
+    for src, dst in ((a, b), (b, a)):
+        if any(s != dst and nx.has_path(q, s, dst) for s in q.successors(src)):
+            return True
+    return False
+
+
+def _merge(q: nx.DiGraph, members: dict, part: dict, a: int, b: int) -> None:
+    for p in q.predecessors(b):
+        if p != a:
+            q.add_edge(p, a)
+    for s in q.successors(b):
+        if s != a:
+            q.add_edge(a, s)
+    q.remove_node(b)
+    for n in members[b]:
+        part[n] = a
+    members[a] += members.pop(b)
