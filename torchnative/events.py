@@ -21,6 +21,12 @@ class GraphRun:
     n_ops_recorded: int
 
 
+@dataclass(frozen=True)
+class Fallback:
+    delegate: str
+    reason: str
+
+
 @dataclass
 class Stats:
     ops_recorded: int = 0
@@ -29,11 +35,13 @@ class Stats:
     cache_misses: int = 0
     graph_runs: int = 0
     syncs: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
-                "graph_runs": self.graph_runs, "syncs": dict(self.syncs)}
+                "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
+                "fallbacks": dict(self.fallbacks)}
 
 
 STATS = Stats()

@@ -1,26 +1,120 @@
-"""Compiled programs: built once per graph key, cached, run with errors that name the op and the
-user's source line."""
+"""Compiled programs: a captured graph partitioned over delegates, each partition compiled once,
+cached by graph key + guards, run with errors that name the op and the user's source line."""
 from __future__ import annotations
 
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from torchnative import events
 from torchnative.capture.trie import Node, Signature, build_graph
+from torchnative.delegates import Delegate
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
+from torchnative.partitioner import EAGER, Partition, partition
 
 
 class CapturedOpError(RuntimeError):
     """An op of a captured graph failed when the graph ran."""
 
 
+@dataclass
+class Step:
+    """One partition: which graph values it reads and writes, and its loaded runner."""
+    delegate: str
+    graph: CapturedGraph
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    run: Callable
+
+
+def _subgraph(gm: fx.GraphModule, part: Partition) -> tuple[CapturedGraph, list, list]:
+    inside = set(part.nodes)
+    inputs: list[fx.Node] = []
+    for n in part.nodes:
+        for u in n.all_input_nodes:
+            if u not in inside and u not in inputs:
+                inputs.append(u)
+    outputs = [n for n in part.nodes if any(user not in inside for user in n.users)]
+    g = fx.Graph()
+    env: dict = {}
+    for i in inputs:
+        env[i] = g.placeholder(i.name)
+        env[i].meta = dict(i.meta)
+    for n in part.nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output([env[o] for o in outputs])
+    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), ["input"] * len(inputs), ["output"] * len(outputs))
+    return sub, inputs, outputs
+
+
+def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
+    """A delegate's output with the strides eager would have given it: later eager ops (view
+    after permute of SDPA's output) and the user can depend on them."""
+    expected = node.meta["val"]
+    if value.stride() == expected.stride() or value.numel() <= 1:
+        return value
+    return torch.empty_strided(expected.shape, expected.stride(), dtype=value.dtype).copy_(value)
+
+
+_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
+
+
+def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> Callable:
+    # A cut flushes from inside __torch_dispatch__, where torch has excluded the Python dispatch
+    # key for this thread; tracing compilers (torch.export) need it, so they run on a thread
+    # whose dispatch state is fresh.
+    return _compiler.submit(lambda: delegate.load(delegate.compile(graph))).result()
+
+
+def _fallback(delegate: str, why: str) -> None:
+    events.STATS.fallbacks[f"{delegate}: {why.splitlines()[0][:200] if why else ''}"] += 1
+    events.emit(events.Fallback(delegate, why))
+
+
 class Program:
-    def __init__(self, graph: CapturedGraph):
+    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate]):
         self.graph = graph
+        self.steps: list[Step] | None = None
         self.run_fn: Callable = eager.load(eager.compile(graph))
+        if any(d.name != EAGER for d in delegates) and graph.op_nodes():
+            self.plan = partition(graph.gm.graph, delegates)
+            if any(p.delegate != EAGER for p in self.plan.partitions):
+                by_name = {d.name: d for d in delegates}
+                self.steps = [self._step(p, by_name) for p in self.plan.partitions]
+                self.run_fn = self._run_steps
+
+    def _step(self, part: Partition, delegates: dict) -> Step:
+        sub, inputs, outputs = _subgraph(self.graph.gm, part)
+        name = part.delegate
+        if name != EAGER:
+            try:
+                return Step(name, sub, inputs, outputs, _compile_in_clean_thread(delegates[name], sub))
+            except Exception as e:  # compile failure: this partition runs eagerly, and we say so
+                _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}")
+                name = EAGER
+        return Step(name, sub, inputs, outputs, eager.load(eager.compile(sub)))
+
+    def _run_steps(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        env = dict(zip((n for n in self.graph.gm.graph.nodes if n.op == "placeholder"), inputs))
+        for step in self.steps:
+            args = [env[n] for n in step.inputs]
+            try:
+                outs = step.run(args)
+            except Exception as e:
+                if step.delegate == EAGER:
+                    raise
+                _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}")
+                step.delegate, step.run = EAGER, eager.load(eager.compile(step.graph))
+                outs = step.run(args)
+            if step.delegate != EAGER:
+                outs = [_eager_layout(v, n) for v, n in zip(outs, step.outputs)]
+            env.update(zip(step.outputs, outs))
+        out_node = next(n for n in reversed(self.graph.gm.graph.nodes) if n.op == "output")
+        return [env[n] for n in out_node.args[0]]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
@@ -58,14 +152,14 @@ class Program:
 _programs: dict = {}
 
 
-def program_for(node: Node, sig: Signature) -> tuple[Program, bool]:
-    key = (node, sig)
+def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...]) -> tuple[Program, bool]:
+    key = (node, sig, delegates)
     p = _programs.get(key)
     if p is not None:
         events.STATS.cache_hits += 1
         return p, True
     events.STATS.cache_misses += 1
-    p = _programs[key] = Program(build_graph(node, sig))
+    p = _programs[key] = Program(build_graph(node, sig), delegates)
     events.STATS.graphs_built += 1
     return p, False
 

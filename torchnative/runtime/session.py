@@ -7,27 +7,28 @@ from typing import Iterator, Sequence
 from torchnative import events
 from torchnative.capture.recorder import Recorder
 from torchnative.capture.trie import Node, Signature
+from torchnative.delegates import Delegate, resolve
 from torchnative.runtime.program import program_for
 from torchnative.shim import DoorMode, current_handler, set_handler
 
 
-def _execute(node: Node, sig: Signature, inputs: list, n_ops: int) -> list:
-    program, hit = program_for(node, sig)
-    values = program(inputs)
-    events.STATS.graph_runs += 1
-    events.emit(events.GraphRun(program.graph, hit, n_ops))
-    return values
+def _executor(delegates: tuple[Delegate, ...]):
+    def execute(node: Node, sig: Signature, inputs: list, n_ops: int) -> list:
+        program, hit = program_for(node, sig, delegates)
+        values = program(inputs)
+        events.STATS.graph_runs += 1
+        events.emit(events.GraphRun(program.graph, hit, n_ops))
+        return values
+    return execute
 
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None) -> Iterator[Recorder | None]:
-    if delegates not in (None, ["eager"], ("eager",)):
-        raise ValueError(f"delegates={delegates!r}: only 'eager' exists so far")
     if isinstance(current_handler(), Recorder):  # nested: the outer session records
         yield current_handler()
         return
     mode = DoorMode()
-    recorder = Recorder(_execute, mode)
+    recorder = Recorder(_executor(resolve(delegates)), mode)
     previous = set_handler(recorder)
     try:
         with mode:

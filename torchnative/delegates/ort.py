@@ -1,0 +1,89 @@
+"""ONNX Runtime on CPU: a Core ATen subgraph → ExportedProgram → ONNX (torch.onnx's torchlib
+translation) → an InferenceSession on the CPU execution provider."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import warnings
+
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.ir import CapturedGraph
+
+_HINT = "pip install onnxruntime onnxscript onnx"
+_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _grouped_query(node: fx.Node) -> bool:
+    q, k = (a.meta.get("val") for a in node.args[:2])
+    return q is not None and k is not None and q.shape[-3] != k.shape[-3]
+
+
+@functools.cache
+def _registry():
+    from torch.onnx._internal.exporter import _registration
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+def _without_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    # torch.export mistakes our meta["val"] tensors (device "meta") for traced constants
+    g = fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+        env[n].meta = {}
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+class OnnxRuntime:
+    name = "ort"
+
+    def available(self) -> Availability:
+        missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
+        if missing:
+            return Availability("unavailable", f"missing {', '.join(missing)}", _HINT)
+        return Availability("executes")
+
+    def supports(self, node: fx.Node) -> Support:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return Support(False, f"{node.target} is not an aten op")
+        if not _registry().is_registered(node.target):
+            return Support(False, f"no ONNX translation of {node.target} in torchlib")
+        if node.target in _SDPA and _grouped_query(node):
+            return Support(False, "torchlib's SDPA translation has no grouped-query attention (k/v heads != q heads)")
+        return YES
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        # strided like the real inputs: a view in the graph may only be valid on those strides
+        example = tuple(torch.zeros_like(p.meta["val"], device="cpu") for p in placeholders)
+        gm = _without_meta(graph.gm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exported = torch.export.export(gm, example)
+            program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False)
+        return Artifact(self.name, program.model_proto.SerializeToString(),
+                        {"n_outputs": len(graph.output_roles)})
+
+    def load(self, artifact: Artifact) -> Runner:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        session = ort.InferenceSession(artifact.payload, options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        run = session.run
+
+        def runner(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            feed = {n: t.detach().contiguous().numpy() for n, t in zip(names, inputs)}
+            return [torch.from_numpy(v) for v in run(None, feed)]
+
+        return runner
+
+
+delegate = OnnxRuntime()
