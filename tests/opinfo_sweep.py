@@ -50,7 +50,7 @@ def _same(a, b) -> str | None:
     return None
 
 
-def run_sample(op, sample) -> tuple[str, str]:
+def run_sample(op, sample, delegates=None) -> tuple[str, str]:
     """('pass'|'fail'|'skip', detail)."""
     args = (sample.input, *sample.args)
     kwargs = sample.kwargs
@@ -61,22 +61,28 @@ def run_sample(op, sample) -> tuple[str, str]:
     except Exception as e:
         return "skip", f"eager raises {type(e).__name__}"
     cargs, ckw = _clone((args, kwargs))
+    torchnative.reset_stats()
     try:
         torch.manual_seed(0)
-        with torchnative.capture():
+        with torchnative.capture(delegates):
             got = op.op(*cargs, **ckw)
         got = _plain(got)
     except Exception as e:
         return "fail", f"capture raises {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     # both sides through the same tree_map, which also normalizes containers (Size -> tuple)
     why = _same(got, _plain(expected)) or _same(_plain((cargs, ckw)), _plain((eargs, ekw)))
-    return ("fail", why) if why else ("pass", "")
+    if why:
+        return "fail", why
+    fallbacks = torchnative.stats()["fallbacks"]
+    if fallbacks:  # claimed by a delegate that then could not compile or run it
+        return "fallback", "; ".join(fallbacks)[:300]
+    return "pass", ""
 
 
-def sweep(max_samples: int | None, names: set[str] | None = None) -> dict:
+def sweep(max_samples: int | None, names: set[str] | None = None, delegates=None) -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
-    results = {"pass": 0, "fail": 0, "skip": 0, "failures": []}
+    results = {"pass": 0, "fail": 0, "skip": 0, "fallback": 0, "failures": [], "fallbacks": []}
     for op in op_db:
         if names is not None and op.name not in names:
             continue
@@ -87,10 +93,11 @@ def sweep(max_samples: int | None, names: set[str] | None = None) -> dict:
         except Exception:
             continue
         for i, sample in enumerate(samples[:max_samples]):
-            status, detail = run_sample(op, sample)
+            status, detail = run_sample(op, sample, delegates)
             results[status] += 1
-            if status == "fail":
-                results["failures"].append(f"{op.name}[{op.variant_test_name}]#{i}: {detail}")
+            if status in ("fail", "fallback"):
+                results[status + "s" if status == "fallback" else "failures"].append(
+                    f"{op.name}[{op.variant_test_name}]#{i}: {detail}")
     return results
 
 
@@ -98,17 +105,19 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=None, help="samples per op (default: all)")
     p.add_argument("--out", default=None)
+    p.add_argument("--delegates", default=None, help="comma-separated, e.g. ort")
+    p.add_argument("--ops", default=None, help="comma-separated OpInfo names (default: all)")
     a = p.parse_args()
     t = time.time()
-    r = sweep(a.samples)
+    r = sweep(a.samples, set(a.ops.split(",")) if a.ops else None, a.delegates.split(",") if a.delegates else None)
     r["seconds"] = round(time.time() - t, 1)
-    ran = r["pass"] + r["fail"]
+    ran = r["pass"] + r["fail"] + r["fallback"]
     r["pass_rate"] = r["pass"] / ran if ran else 0.0
     text = json.dumps(r, indent=1)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
-    print(f"{r['pass']} passed, {r['fail']} failed, {r['skip']} skipped (eager raises) "
+    print(f"{r['pass']} passed, {r['fail']} failed, {r['fallback']} fell back, {r['skip']} skipped (eager raises) "
           f"= {100 * r['pass_rate']:.1f}% in {r['seconds']} s", file=sys.stderr)
     return 0
 

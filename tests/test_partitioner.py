@@ -98,3 +98,12 @@ def test_partitioning_is_deterministic():
 
     delegates = [Takes("d", {aten.relu.default})]
     assert _layout(partition(_graph(build), delegates)) == _layout(partition(_graph(build), delegates))
+
+
+def test_view_only_regions_go_to_eager():
+    def build(g, x):
+        v = g.call_function(aten.view.default, (x, [-1]), name="v")
+        return g.call_function(aten.sin.default, (v,), name="s")
+
+    plan = partition(_graph(build), [Takes("d", {aten.view.default})])
+    assert _layout(plan) == [("eager", ["v", "s"])]

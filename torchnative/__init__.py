@@ -12,13 +12,14 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchnative import events
+from torchnative.delegates import REGISTRY, Availability
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.session import session
 from torchnative.shim import LazyTensor
 
-__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats",
+__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates",
            "CapturedOpError", "Explanation", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -34,8 +35,8 @@ def capture(delegates: Sequence[str] | None = None) -> Iterator[None]:
     created inside stay valid after it.
 
     Args:
-        delegates: preference order of delegates for the captured graphs (default: the best
-            available). Only `"eager"` exists so far.
+        delegates: preference order of delegates for the captured graphs, e.g. `["ort"]`
+            (default: `["eager"]`); eager always runs what no other delegate takes.
     """
     with session(delegates):
         yield
@@ -58,7 +59,7 @@ def _real_outputs(out: Any) -> Any:
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
-    Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
+    `delegates` is the preference order of delegates (see `capture`). Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
     """
     if _ORIGINAL in model.__dict__:
         return model
@@ -90,6 +91,12 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Explanation:
     `breaks` (reason, op, filename, line of each graph break), `op_counts` and `output`.
     """
     return _explain(fn, *args, **kwargs)
+
+
+def delegates() -> dict[str, Availability]:
+    """Every delegate with its status here: `executes`, `compile-only` or `unavailable`, with the
+    reason and an install hint when it is not fully usable."""
+    return {name: d.available() for name, d in REGISTRY.items()}
 
 
 def stats() -> dict:

@@ -16,10 +16,13 @@ def _demo(args: argparse.Namespace) -> int:
     inputs = models.example_inputs(args.model, model)
     print(f"torchnative demo: {args.model} ({args.size} config, random weights), inputs "
           + ", ".join(f"{k}{list(v.shape)}" for k, v in inputs.items()))
+    delegates = args.delegates.split(",") if args.delegates else None
     with torch.no_grad():
         reference = model(**inputs)
-        explanation = torchnative.explain(model, **inputs)
-        torchnative.accelerate(model)
+        with torchnative.capture(delegates):
+            explanation = torchnative.explain(model, **inputs)
+        torchnative.accelerate(model, delegates=delegates)
+        model(**inputs)  # first call compiles
         torchnative.reset_stats()
         t = time.perf_counter()
         out = model(**inputs)
@@ -33,6 +36,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _delegates(args: argparse.Namespace) -> int:
+    import torchnative
+
+    rows = torchnative.delegates()
+    width = max(map(len, rows))
+    for name, a in rows.items():
+        detail = "; ".join(x for x in (a.reason, f"install: {a.install_hint}" if a.install_hint and a.status != "executes" else "") if x)
+        print(f"{name:<{width}}  {a.status:<12}  {detail}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from torchnative.models import BUILDERS
 
@@ -41,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="accelerate a small built-in transformers model and compare with eager")
     demo.add_argument("--model", choices=sorted(BUILDERS), default="gpt2")
     demo.add_argument("--size", choices=["tiny", "base"], default="tiny")
+    demo.add_argument("--delegates", default=None, help="comma-separated preference order, e.g. ort")
+    sub.add_parser("delegates", help="list every delegate and whether it executes here")
     args = parser.parse_args(argv)
+    if args.command == "delegates":
+        return _delegates(args)
     if args.command in (None, "demo"):
         if args.command is None:
             args = parser.parse_args(["demo", *(argv or sys.argv[1:])])

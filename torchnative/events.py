@@ -19,6 +19,7 @@ class GraphRun:
     graph: Any           # CapturedGraph
     cache_hit: bool
     n_ops_recorded: int
+    partitions: tuple = ()   # ((delegate, n_ops), ...) in execution order
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class OnnxRuntime:
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = torch.get_num_threads()
+        options.log_severity_level = 3  # errors only: its optimizer's notes are not the user's business
         session = ort.InferenceSession(artifact.payload, options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
         run = session.run

@@ -12,6 +12,7 @@ from torchnative.ir import CapturedGraph
 @dataclass
 class Explanation:
     graphs: list[CapturedGraph] = field(default_factory=list)
+    partitions: list[tuple] = field(default_factory=list)  # per graph: ((delegate, n_ops), ...)
     breaks: list[events.GraphBreak] = field(default_factory=list)
     output: Any = None
 
@@ -28,8 +29,10 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = [f"{len(self.graphs)} graph(s), {self.ops_recorded} op(s), {len(self.breaks)} graph break(s)"]
-        for i, g in enumerate(self.graphs):
-            lines.append(f"  graph {i}: {len(g.op_nodes())} ops, inputs {_roles(g.input_roles)}, outputs {_roles(g.output_roles)}")
+        for i, (g, parts) in enumerate(zip(self.graphs, self.partitions)):
+            where = " → ".join(f"{d} {n}" for d, n in parts)
+            lines.append(f"  graph {i}: {len(g.op_nodes())} ops [{where}], inputs {_roles(g.input_roles)}, "
+                         f"outputs {_roles(g.output_roles)}")
         for b in self.breaks:
             lines.append(f"  break at {b.filename}:{b.line}: {b.reason}")
         top = ", ".join(f"{op.split('.')[1]}×{n}" for op, n in self.op_counts.most_common(8))
@@ -42,6 +45,7 @@ def _roles(roles: list[str]) -> str:
 
 
 def explain(fn: Callable, *args, **kwargs) -> Explanation:
+    """Run fn under capture (inside an enclosing `capture(delegates=...)`, with its delegates)."""
     from torchnative.runtime.session import session  # the inspector only listens; this runs fn
 
     result = Explanation()
@@ -49,6 +53,7 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
     def on_event(e: Any) -> None:
         if isinstance(e, events.GraphRun):
             result.graphs.append(e.graph)
+            result.partitions.append(e.partitions)
         elif isinstance(e, events.GraphBreak):
             result.breaks.append(e)
 

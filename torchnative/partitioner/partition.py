@@ -2,7 +2,7 @@
 
 Each call node goes to the first delegate (in the user's preference order) that supports it;
 connected nodes of one delegate grow into maximal regions without creating a cycle between
-partitions; regions below `min_ops` go to eager. Every node a delegate declined keeps the reason.
+partitions; regions with fewer than `min_ops` computing ops (views do not count) go to eager. Every node a delegate declined keeps the reason.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Partition:
 
     @property
     def n_ops(self) -> int:
-        return sum(1 for n in self.nodes if n.target is not operator.getitem)
+        return _ops(self.nodes)
 
 
 @dataclass
@@ -52,8 +52,9 @@ def partition(graph: fx.Graph, delegates: Sequence[Delegate], min_ops: int = 1) 
     return Plan([Partition(label[g[0]], tuple(g)) for g in groups], declined)
 
 
-def _ops(group: list[fx.Node]) -> int:
-    return sum(1 for n in group if n.target is not operator.getitem)
+def _ops(group) -> int:
+    """Ops that compute: views and getitem are free in eager and a copy in most delegates."""
+    return sum(1 for n in group if n.target is not operator.getitem and not getattr(n.target, "is_view", False))
 
 
 def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, dict]:

@@ -87,6 +87,12 @@ class Program:
                 self.steps = [self._step(p, by_name) for p in self.plan.partitions]
                 self.run_fn = self._run_steps
 
+    @property
+    def partitions(self) -> tuple:
+        if self.steps is None:
+            return ((EAGER, len(self.graph.op_nodes())),)
+        return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
+
     def _step(self, part: Partition, delegates: dict) -> Step:
         sub, inputs, outputs = _subgraph(self.graph.gm, part)
         name = part.delegate

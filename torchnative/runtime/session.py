@@ -17,15 +17,17 @@ def _executor(delegates: tuple[Delegate, ...]):
         program, hit = program_for(node, sig, delegates)
         values = program(inputs)
         events.STATS.graph_runs += 1
-        events.emit(events.GraphRun(program.graph, hit, n_ops))
+        events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions))
         return values
     return execute
 
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None) -> Iterator[Recorder | None]:
-    if isinstance(current_handler(), Recorder):  # nested: the outer session records
-        yield current_handler()
+    outer = current_handler()
+    if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
+        yield outer
+        outer.flush()
         return
     mode = DoorMode()
     recorder = Recorder(_executor(resolve(delegates)), mode)

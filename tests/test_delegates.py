@@ -1,0 +1,107 @@
+"""Delegates against eager: every claimed op numerically (OpInfo samples, table-driven), models
+under accelerate with each delegate, and fallbacks that are counted, never silent."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import assert_same
+from torchnative.delegates import REGISTRY
+from torchnative import models
+from torchnative.delegates.base import YES, Availability
+
+SWEEP = Path(__file__).with_name("opinfo_sweep.py")
+EXECUTING = [name for name, d in REGISTRY.items() if name != "eager" and d.available().status == "executes"]
+
+# One table for every executing delegate: representative ops of the models we target.
+OPS = ["add", "mul", "div", "sub", "neg", "exp", "tanh", "sigmoid", "nn.functional.relu", "nn.functional.gelu",
+       "nn.functional.silu", "softmax", "log_softmax", "mean", "sum", "amax", "matmul", "mm", "addmm", "bmm",
+       "nn.functional.linear", "nn.functional.layer_norm", "nn.functional.embedding", "cat", "permute", "transpose",
+       "view", "reshape", "expand", "unsqueeze", "where", "rsqrt", "pow", "nn.functional.conv2d",
+       "nn.functional.max_pool2d", "nn.functional.scaled_dot_product_attention", "cumsum", "gather"]
+
+
+def test_every_delegate_is_listed_with_a_status():
+    listed = torchnative.delegates()
+    assert set(listed) == set(REGISTRY)
+    for name, a in listed.items():
+        assert a.status in ("executes", "compile-only", "unavailable")
+        assert a.status == "executes" or a.reason, name
+
+
+@pytest.mark.parametrize("delegate", EXECUTING)
+def test_claimed_ops_match_eager(delegate, tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "2", "--delegates", delegate,
+                           "--ops", ",".join(OPS), "--out", str(out)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["pass"] > 2 * len(OPS) * 0.8
+    assert not r["failures"], "\n".join(r["failures"])
+    assert not r["fallbacks"], "\n".join(r["fallbacks"])
+
+
+@pytest.mark.parametrize("delegate", EXECUTING)
+@pytest.mark.parametrize("name", sorted(models.BUILDERS))
+def test_models_match_eager_on_delegate(delegate, name):
+    model = models.build(name)
+    inputs = models.example_inputs(name, model, batch=2)
+    with torch.no_grad():
+        ref = model(**inputs)
+        torchnative.accelerate(model, delegates=[delegate])
+        torchnative.reset_stats()
+        with torchnative.capture([delegate]):
+            e = torchnative.explain(model, **inputs)
+    key = "logits" if "logits" in ref else "last_hidden_state"
+    assert_same(e.output[key], ref[key], rtol=1e-4, atol=1e-5)
+    placed = [d for parts in e.partitions for d, _ in parts]
+    assert delegate in placed, e
+    assert not torchnative.stats()["fallbacks"]
+
+
+@pytest.mark.parametrize("delegate", EXECUTING)
+def test_generate_same_tokens_on_delegate(delegate):
+    model = models.build("gpt2")
+    ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    ref = model.generate(ids, **kwargs)
+    torchnative.accelerate(model, delegates=[delegate])
+    assert torch.equal(model.generate(ids, **kwargs), ref)
+
+
+class _Broken:
+    """Claims every op, then cannot compile any."""
+    name = "broken"
+
+    def available(self):
+        return Availability("executes")
+
+    def supports(self, node):
+        return YES
+
+    def compile(self, graph):
+        raise RuntimeError("toolchain exploded")
+
+    def load(self, artifact):
+        raise AssertionError("never reached")
+
+
+def test_compile_failure_falls_back_to_eager_and_is_counted(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "broken", _Broken())
+    x = torch.randn(4, 4)
+    torchnative.reset_stats()
+    with torchnative.capture(["broken"]):
+        e = torchnative.explain(lambda: (x @ x).relu())
+    assert torch.equal(e.output, (x @ x).relu())
+    assert torchnative.stats()["fallbacks"] == {"broken: compile failed for 2 op(s): RuntimeError: toolchain exploded": 1}
+    assert e.partitions == [(("eager", 2),)]
+
+
+def test_unknown_delegate_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown delegate.*'nope'"):
+        with torchnative.capture(["nope"]):
+            pass
