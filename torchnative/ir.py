@@ -23,6 +23,8 @@ class CapturedGraph:
     gm: fx.GraphModule
     input_roles: list[Role]
     output_roles: list[OutputRole]
+    # values of `param` placeholders (by name) that a delegate may bake into its artifact
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _key: str | None = field(default=None, repr=False)
 
     def op_nodes(self) -> list[fx.Node]:

@@ -30,14 +30,21 @@ def _registry():
     return _registration.ONNXRegistry.from_torchlib()
 
 
-def _without_meta(gm: fx.GraphModule) -> fx.GraphModule:
-    # torch.export mistakes our meta["val"] tensors (device "meta") for traced constants
+def _lowerable(graph: CapturedGraph) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A copy of the graph for torch.export: constants (params) become module buffers, which
+    export lifts into ONNX initializers; meta is dropped, since torch.export mistakes our
+    meta["val"] tensors (device "meta") for traced constants. Returns it and its placeholders."""
+    root = torch.nn.Module()
     g = fx.Graph()
     env: dict = {}
-    for n in gm.graph.nodes:
-        env[n] = g.node_copy(n, env.__getitem__)
-        env[n].meta = {}
-    return fx.GraphModule(torch.nn.Module(), g)
+    for n in graph.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in graph.constants:
+            root.register_buffer(n.name, graph.constants[n.name].detach())
+            env[n] = g.get_attr(n.name)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+            env[n].meta = {}
+    return fx.GraphModule(root, g), [n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.name not in graph.constants]
 
 
 class OnnxRuntime:
@@ -59,10 +66,9 @@ class OnnxRuntime:
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
-        placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        gm, placeholders = _lowerable(graph)
         # strided like the real inputs: a view in the graph may only be valid on those strides
         example = tuple(torch.zeros_like(p.meta["val"], device="cpu") for p in placeholders)
-        gm = _without_meta(graph.gm)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             exported = torch.export.export(gm, example)

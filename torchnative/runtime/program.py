@@ -2,6 +2,7 @@
 cached by graph key + guards, run with errors that name the op and the user's source line."""
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -23,32 +24,40 @@ class CapturedOpError(RuntimeError):
 
 @dataclass
 class Step:
-    """One partition: which graph values it reads and writes, and its loaded runner."""
+    """One partition: which graph values it reads (all, and those passed at run time: a delegate
+    bakes params in), which it writes, and its loaded runner."""
     delegate: str
     graph: CapturedGraph
+    reads: list[fx.Node]
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     run: Callable
 
 
-def _subgraph(gm: fx.GraphModule, part: Partition) -> tuple[CapturedGraph, list, list]:
+def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[CapturedGraph, list, list]:
+    """The partition as a graph of its own; params it reads become its constants."""
     inside = set(part.nodes)
-    inputs: list[fx.Node] = []
+    reads: list[fx.Node] = []
     for n in part.nodes:
         for u in n.all_input_nodes:
-            if u not in inside and u not in inputs:
-                inputs.append(u)
+            if u not in inside and u not in reads:
+                reads.append(u)
     outputs = [n for n in part.nodes if any(user not in inside for user in n.users)]
     g = fx.Graph()
     env: dict = {}
-    for i in inputs:
+    roles, constants = [], {}
+    for i in reads:
         env[i] = g.placeholder(i.name)
         env[i].meta = dict(i.meta)
+        role = parent.input_roles[values["index"][i]] if i in values["index"] else "input"
+        roles.append(role)
+        if role == "param":
+            constants[i.name] = values["tensor"][i]
     for n in part.nodes:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output([env[o] for o in outputs])
-    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), ["input"] * len(inputs), ["output"] * len(outputs))
-    return sub, inputs, outputs
+    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"] * len(outputs), constants)
+    return sub, reads, outputs
 
 
 def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
@@ -76,16 +85,29 @@ def _fallback(delegate: str, why: str) -> None:
 
 
 class Program:
-    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate]):
+    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor]):
         self.graph = graph
         self.steps: list[Step] | None = None
+        self.baked: list[tuple] = []  # (input index, weakref, version) of params a delegate baked in
         self.run_fn: Callable = eager.load(eager.compile(graph))
         if any(d.name != EAGER for d in delegates) and graph.op_nodes():
             self.plan = partition(graph.gm.graph, delegates)
             if any(p.delegate != EAGER for p in self.plan.partitions):
+                placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+                values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
                 by_name = {d.name: d for d in delegates}
-                self.steps = [self._step(p, by_name) for p in self.plan.partitions]
+                self.steps = [self._step(p, by_name, values) for p in self.plan.partitions]
                 self.run_fn = self._run_steps
+                baked = {values["index"][n] for s in self.steps if s.delegate != EAGER for n in s.reads if n in values["index"]
+                         and graph.input_roles[values["index"][n]] == "param"}
+                self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked)]
+
+    def valid_for(self, inputs: list[torch.Tensor]) -> bool:
+        """Baked params must be the same tensors, unchanged since they were baked."""
+        for i, ref, version in self.baked:
+            if inputs[i] is not ref() or inputs[i]._version != version:
+                return False
+        return True
 
     @property
     def partitions(self) -> tuple:
@@ -93,16 +115,17 @@ class Program:
             return ((EAGER, len(self.graph.op_nodes())),)
         return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
 
-    def _step(self, part: Partition, delegates: dict) -> Step:
-        sub, inputs, outputs = _subgraph(self.graph.gm, part)
+    def _step(self, part: Partition, delegates: dict, values: dict) -> Step:
+        sub, reads, outputs = _subgraph(self.graph, part, values)
         name = part.delegate
         if name != EAGER:
             try:
-                return Step(name, sub, inputs, outputs, _compile_in_clean_thread(delegates[name], sub))
+                runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role != "param"]
+                return Step(name, sub, reads, runtime_inputs, outputs, _compile_in_clean_thread(delegates[name], sub))
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
                 _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}")
                 name = EAGER
-        return Step(name, sub, inputs, outputs, eager.load(eager.compile(sub)))
+        return Step(name, sub, reads, reads, outputs, eager.load(eager.compile(sub)))
 
     def _run_steps(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         env = dict(zip((n for n in self.graph.gm.graph.nodes if n.op == "placeholder"), inputs))
@@ -114,8 +137,8 @@ class Program:
                 if step.delegate == EAGER:
                     raise
                 _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}")
-                step.delegate, step.run = EAGER, eager.load(eager.compile(step.graph))
-                outs = step.run(args)
+                step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
+                outs = step.run([env[n] for n in step.inputs])
             if step.delegate != EAGER:
                 outs = [_eager_layout(v, n) for v, n in zip(outs, step.outputs)]
             env.update(zip(step.outputs, outs))
@@ -158,14 +181,22 @@ class Program:
 _programs: dict = {}
 
 
-def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...]) -> tuple[Program, bool]:
+def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
+                inputs: list[torch.Tensor]) -> tuple[Program, bool]:
+    """The compiled program for this graph key and these guards (baked params' identity and
+    version), building it on a miss."""
     key = (node, sig, delegates)
-    p = _programs.get(key)
-    if p is not None:
-        events.STATS.cache_hits += 1
-        return p, True
+    candidates = _programs.get(key)
+    if candidates is None:
+        candidates = _programs[key] = []
+    for p in candidates:
+        if p.valid_for(inputs):
+            events.STATS.cache_hits += 1
+            return p, True
     events.STATS.cache_misses += 1
-    p = _programs[key] = Program(build_graph(node, sig), delegates)
+    candidates[:] = [p for p in candidates if all(ref() is not None for _, ref, _ in p.baked)]
+    p = Program(build_graph(node, sig), delegates, inputs)
+    candidates.append(p)
     events.STATS.graphs_built += 1
     return p, False
 

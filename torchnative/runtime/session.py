@@ -14,7 +14,7 @@ from torchnative.shim import DoorMode, current_handler, set_handler
 
 def _executor(delegates: tuple[Delegate, ...]):
     def execute(node: Node, sig: Signature, inputs: list, n_ops: int) -> list:
-        program, hit = program_for(node, sig, delegates)
+        program, hit = program_for(node, sig, delegates, inputs)
         values = program(inputs)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions))
