@@ -3,17 +3,13 @@ torch.compile, on transformers models from small configs and on BERT-base.
 
     python benchmarks/capture_overhead.py [--models gpt2,llama,bert,bert-base] [--runs 30] [--no-compile]
 
-Engines are interleaved round by round with idle gaps (thread pools keep spinning after a call and
-slow whatever runs next); in a round each engine runs once to wake up and then INNER times, and
-each figure is the median over rounds of the per-round medians. Writes
+Engines are interleaved round by round with idle gaps (benchmarks/common.py). Writes
 benchmarks/results/capture_overhead.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +19,9 @@ import torchnative
 from torchnative import models
 from torchnative.runtime.program import clear_caches
 
-GAP_S = 0.05
+sys.path.insert(0, str(Path(__file__).parent))
+from common import elapsed, interleave, table, write  # noqa: E402
+
 INNER = 5
 SEQ = {"tiny": 16, "base": 128}
 
@@ -36,12 +34,6 @@ class PassThrough(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
-
-
-def _time(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def _spec(name: str) -> tuple[str, str]:
@@ -63,10 +55,10 @@ def bench(name: str, runs: int, with_compile: bool) -> dict:
     row: dict = {"model": name}
     with torch.no_grad():
         eager()
-        t_eager_first = min(_time(eager) for _ in range(3))
+        t_eager_first = min(elapsed(eager) for _ in range(3))
         clear_caches()
         torchnative.reset_stats()
-        row["accel_cold_ms"] = _time(accel) * 1e3
+        row["accel_cold_ms"] = elapsed(accel) * 1e3
         ops = torchnative.stats()["ops_recorded"]
         row["ops_recorded"] = ops
         row["graphs"] = torchnative.stats()["graph_runs"]
@@ -74,17 +66,9 @@ def bench(name: str, runs: int, with_compile: bool) -> dict:
         engines = {"eager": eager, "accelerate": accel, "passthrough_mode": passthrough}
         if with_compile:
             compiled = torch.compile(model)
-            row["compile_first_call_s"] = _time(lambda: compiled(**inputs))
+            row["compile_first_call_s"] = elapsed(lambda: compiled(**inputs))
             engines["torch.compile"] = lambda: compiled(**inputs)
-        samples: dict = {k: [] for k in engines}
-        for k in engines:  # warm-up
-            engines[k]()
-        for _ in range(runs):
-            for k, fn in engines.items():
-                fn()  # the first call after an idle gap pays the thread pools' wake-up
-                samples[k].append(statistics.median(_time(fn) for _ in range(INNER)))
-                time.sleep(GAP_S)
-    med = {k: statistics.median(v) for k, v in samples.items()}
+        med = interleave(engines, runs, INNER)
     row.update({f"{k}_ms": v * 1e3 for k, v in med.items()})
     row["warm_us_per_op"] = (med["accelerate"] - med["eager"]) / ops * 1e6
     row["passthrough_us_per_op"] = (med["passthrough_mode"] - med["eager"]) / ops * 1e6
@@ -108,14 +92,8 @@ def main() -> None:
             ("accelerate_ms", "{:.2f}"), ("accel_vs_eager", "{:.2f}x"), ("torch.compile_ms", "{:.2f}"),
             ("compile_vs_eager", "{:.2f}x"), ("cold_us_per_op", "{:.0f}"), ("warm_us_per_op", "{:.1f}"),
             ("passthrough_us_per_op", "{:.1f}")]
-    print("| " + " | ".join(c for c, _ in cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
-    out = Path(__file__).parent / "results" / "capture_overhead.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    print(table(rows, cols))
+    print(f"wrote {write('capture_overhead', {'torch': torch.__version__, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -151,7 +151,10 @@ class Recorder:
 
     def new_input(self, x: torch.Tensor) -> int:
         role = "param" if isinstance(x, torch.nn.Parameter) else "input"
-        key = (INPUT, x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, role)
+        try:
+            key = (INPUT, x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, role)
+        except RuntimeError as e:  # sparse and other layouts without strides
+            raise Unrecordable(f"input with layout {x.layout}: {e}") from e
         node = self.node.children.get(key)
         if node is None:
             if x.device.type != "cpu" or x.layout != torch.strided:
