@@ -64,10 +64,11 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     if _ORIGINAL in model.__dict__:
         return model
     original = model.forward
+    buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with session(delegates):
+        with session(delegates, buffers):
             out = original(*args, **kwargs)
         return _real_outputs(out)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -35,6 +36,27 @@ class CapturedGraph:
 
     def op_counts(self) -> Counter:
         return Counter(self.ops())
+
+    def to_exported_program(self) -> "torch.export.ExportedProgram":
+        """Export of the graph for torch.export-based delegates: constants (params) become
+        module buffers, which export lifts into weights the delegate may prepack; example inputs
+        are strided like the real ones, since a view in the graph may only be valid on those."""
+        root = torch.nn.Module()
+        g = fx.Graph()
+        env: dict = {}
+        examples = []
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder" and n.name in self.constants:
+                root.register_buffer(n.name, self.constants[n.name].detach())
+                env[n] = g.get_attr(n.name)
+                continue
+            env[n] = g.node_copy(n, env.__getitem__)
+            env[n].meta = {}  # torch.export mistakes our meta["val"] (device "meta") for constants
+            if n.op == "placeholder":
+                examples.append(torch.zeros_like(n.meta["val"], device="cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(fx.GraphModule(root, g), tuple(examples))
 
     @property
     def key(self) -> str:

@@ -68,9 +68,10 @@ def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
 
 
 class Recorder:
-    def __init__(self, execute: Execute, mode: DoorMode):
+    def __init__(self, execute: Execute, mode: DoorMode, weights: frozenset[int] = frozenset()):
         self.execute = execute
         self.mode = mode
+        self.weights = weights  # ids of tensors that are weights though not nn.Parameters (buffers)
         self._reset()
 
     def _reset(self) -> None:
@@ -150,7 +151,7 @@ class Recorder:
         return REFS[s]
 
     def new_input(self, x: torch.Tensor) -> int:
-        role = "param" if isinstance(x, torch.nn.Parameter) else "input"
+        role = "param" if isinstance(x, torch.nn.Parameter) or id(x) in self.weights else "input"
         try:
             key = (INPUT, x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, role)
         except RuntimeError as e:  # sparse and other layouts without strides

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from torchnative.delegates import eager, ort
+from torchnative.delegates import eager, ort, xnnpack
 from torchnative.delegates.base import Artifact, Availability, Delegate, Support
 
-REGISTRY: dict[str, Delegate] = {d.name: d for d in (ort.delegate, eager.delegate)}
+REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, eager.delegate)}
 DEFAULT: tuple[str, ...] = ("eager",)
 
 

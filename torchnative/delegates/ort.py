@@ -45,23 +45,6 @@ def _registry():
     return _registration.ONNXRegistry.from_torchlib()
 
 
-def _lowerable(graph: CapturedGraph) -> tuple[fx.GraphModule, list[fx.Node]]:
-    """A copy of the graph for torch.export: constants (params) become module buffers, which
-    export lifts into ONNX initializers; meta is dropped, since torch.export mistakes our
-    meta["val"] tensors (device "meta") for traced constants. Returns it and its placeholders."""
-    root = torch.nn.Module()
-    g = fx.Graph()
-    env: dict = {}
-    for n in graph.gm.graph.nodes:
-        if n.op == "placeholder" and n.name in graph.constants:
-            root.register_buffer(n.name, graph.constants[n.name].detach())
-            env[n] = g.get_attr(n.name)
-        else:
-            env[n] = g.node_copy(n, env.__getitem__)
-            env[n].meta = {}
-    return fx.GraphModule(root, g), [n for n in graph.gm.graph.nodes if n.op == "placeholder" and n.name not in graph.constants]
-
-
 class OnnxRuntime:
     name = "ort"
 
@@ -91,12 +74,9 @@ class OnnxRuntime:
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
-        gm, placeholders = _lowerable(graph)
-        # strided like the real inputs: a view in the graph may only be valid on those strides
-        example = tuple(torch.zeros_like(p.meta["val"], device="cpu") for p in placeholders)
+        exported = graph.to_exported_program()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = torch.export.export(gm, example)
             program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False)
         return Artifact(self.name, program.model_proto.SerializeToString(),
                         {"n_outputs": len(graph.output_roles)})

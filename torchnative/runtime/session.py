@@ -23,14 +23,15 @@ def _executor(delegates: tuple[Delegate, ...]):
 
 
 @contextmanager
-def session(delegates: Sequence[str] | None = None) -> Iterator[Recorder | None]:
+def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset()) -> Iterator[Recorder | None]:
+    """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
         yield outer
         outer.flush()
         return
     mode = DoorMode()
-    recorder = Recorder(_executor(resolve(delegates)), mode)
+    recorder = Recorder(_executor(resolve(delegates)), mode, weights)
     previous = set_handler(recorder)
     try:
         with mode:

@@ -1,0 +1,89 @@
+"""XNNPACK through ExecuTorch: a Core ATen subgraph → ExportedProgram → Edge dialect lowered with
+XnnpackPartitioner → .pte → the ExecuTorch runtime."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.ir import CapturedGraph
+
+_HINT = "pip install executorch==1.5.1"
+# our Core ATen view ops are the Edge dialect's *_copy ops
+_EDGE_NAMES = {"view": "view_copy", "permute": "permute_copy", "unsqueeze": "unsqueeze_copy",
+               "slice": "slice_copy", "_to_copy": "_to_dim_order_copy"}
+
+
+@functools.cache
+def _targets() -> frozenset[str]:
+    """Edge op names ("addmm.default") that some XNNPACK partitioner config takes."""
+    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+
+    names = set()
+    for config in ALL_PARTITIONER_CONFIGS:
+        try:
+            names.add(config().target_name)
+        except Exception:
+            continue
+    return frozenset(names)
+
+
+def _edge_name(op: torch._ops.OpOverload) -> str:
+    name = op._schema.name.split("::")[1]
+    return f"{_EDGE_NAMES.get(name, name)}.{op._overloadname}"
+
+
+class Xnnpack:
+    name = "xnnpack"
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("executorch") is None:
+            return Availability("unavailable", "executorch is not installed", _HINT)
+        return Availability("executes")
+
+    def supports(self, node: fx.Node) -> Support:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return Support(False, f"{node.target} is not an aten op")
+        if _edge_name(node.target) not in _targets():
+            return Support(False, f"no XNNPACK kernel for {node.target}")
+        for x in (node, *node.all_input_nodes):
+            v = x.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dtype != torch.float32 and not (x is not node and not v.is_floating_point()):
+                return Support(False, f"{v.dtype} tensors: XNNPACK takes float32 (and quantized) graphs")
+        return YES
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+
+        exported = graph.to_exported_program()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+        n_inputs = sum(1 for r in graph.input_roles if r != "param")
+        return Artifact(self.name, bytes(program.buffer), {"n_inputs": n_inputs, "n_outputs": len(graph.output_roles)})
+
+    def load(self, artifact: Artifact) -> Runner:
+        from executorch.runtime import Runtime
+
+        payload = artifact.payload
+        program = Runtime.get().load_program(payload)
+        method = program.load_method("forward")
+        # ExecuTorch crashes the process on a wrong input count; refuse such a program here
+        takes = method.metadata.num_inputs()
+        if takes != artifact.meta["n_inputs"]:
+            raise RuntimeError(f"the .pte takes {takes} input(s), the subgraph passes {artifact.meta['n_inputs']}")
+        execute = method.execute
+
+        def runner(inputs: list[torch.Tensor], _keep=(payload, program, method)) -> list[torch.Tensor]:
+            # _keep: the runtime reads the .pte bytes in place; they must outlive the method
+            return list(execute([t.detach().contiguous() for t in inputs]))
+
+        return runner
+
+
+delegate = Xnnpack()
