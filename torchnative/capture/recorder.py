@@ -29,8 +29,8 @@ aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
-_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE = (
-    Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE)
+_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM = (
+    Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE, Kind.ANSWER, Kind.RANDOM)
 
 # frames inside these directories are not the user's code
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -104,9 +104,9 @@ class Recorder:
             return args[0]
         if k is _RESHAPE:
             return self.reshape_inplace(op, c.functional, args, kwargs)
-        if k is Kind.ANSWER:
+        if k is _ANSWER:
             return c.decomposition(*args, **kwargs)
-        if k is Kind.RANDOM and not self.roots and not _any_pending(args, kwargs):
+        if k is _RANDOM and not self.roots and not _any_pending(args, kwargs):
             return run_eagerly(op, args, kwargs)
         return self.cut(op, args, kwargs, c.reason)
 

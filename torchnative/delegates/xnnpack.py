@@ -52,8 +52,14 @@ class Xnnpack:
             return Support(False, f"no XNNPACK kernel for {node.target}")
         for x in (node, *node.all_input_nodes):
             v = x.meta.get("val")
-            if isinstance(v, torch.Tensor) and v.dtype != torch.float32 and not (x is not node and not v.is_floating_point()):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if v.dtype != torch.float32 and not (x is not node and not v.is_floating_point()):
                 return Support(False, f"{v.dtype} tensors: XNNPACK takes float32 (and quantized) graphs")
+            if v.numel() == 0:
+                return Support(False, "empty tensors: the ExecuTorch runtime aborts on their strides")
+        if node.target is torch.ops.aten.convolution.default and node.args[0].meta["val"].dim() != 4:
+            return Support(False, "XNNPACK convolution is 2-D (4-D input) only")
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
@@ -81,6 +87,8 @@ class Xnnpack:
 
         def runner(inputs: list[torch.Tensor], _keep=(payload, program, method)) -> list[torch.Tensor]:
             # _keep: the runtime reads the .pte bytes in place; they must outlive the method
+            if any(t.numel() == 0 for t in inputs):  # ExecuTorch aborts the process on these
+                raise RuntimeError("empty input tensor")
             return list(execute([t.detach().contiguous() for t in inputs]))
 
         return runner
