@@ -102,6 +102,10 @@ class Program:
                          and graph.input_roles[values["index"][n]] == "param"}
                 self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked)]
 
+    def stale(self) -> bool:
+        """A baked param is gone or has changed since: this program can never run again."""
+        return any((t := ref()) is None or t._version != version for _, ref, version in self.baked)
+
     def valid_for(self, inputs: list[torch.Tensor]) -> bool:
         """Baked params must be the same tensors, unchanged since they were baked."""
         for i, ref, version in self.baked:
@@ -194,7 +198,7 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
             events.STATS.cache_hits += 1
             return p, True
     events.STATS.cache_misses += 1
-    candidates[:] = [p for p in candidates if all(ref() is not None for _, ref, _ in p.baked)]
+    candidates[:] = [p for p in candidates if not p.stale()]
     p = Program(build_graph(node, sig), delegates, inputs)
     candidates.append(p)
     events.STATS.graphs_built += 1
