@@ -105,3 +105,20 @@ def test_unknown_delegate_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown delegate.*'nope'"):
         with torchnative.capture(["nope"]):
             pass
+
+
+@pytest.mark.parametrize("delegate", EXECUTING)
+def test_weights_changed_in_place_are_seen(delegate):
+    """A delegate bakes weights in; changing one in place (a TTA step) must not leave the
+    compiled program stale."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    torchnative.accelerate(model, delegates=[delegate])
+    with torch.no_grad():
+        first = model(x)
+        assert torch.allclose(first, torchnative.deaccelerate(model)(x), atol=1e-6)
+        torchnative.accelerate(model, delegates=[delegate])
+        model[0].weight.mul_(2)
+        second = model(x)
+        ref = torchnative.deaccelerate(model)(x)
+    assert torch.allclose(second, ref, atol=1e-6) and not torch.allclose(second, first)

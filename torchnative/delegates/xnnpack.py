@@ -37,6 +37,21 @@ def _edge_name(op: torch._ops.OpOverload) -> str:
     return f"{_EDGE_NAMES.get(name, name)}.{op._overloadname}"
 
 
+# what may stay outside the XNNPACK blob: data movement the portable runtime does cheaply
+_CHEAP = ("view_copy", "permute_copy", "unsqueeze_copy", "squeeze_copy", "expand_copy", "slice_copy",
+          "select_copy", "clone", "_to_dim_order_copy", "_clone_dim_order", "alias_copy")
+
+
+def _check_all_delegated(graph: fx.Graph) -> None:
+    """ExecuTorch runs what XNNPACK declines with its portable kernels — naive loops, far slower
+    than eager (an undelegated addmm made BERT-base crawl). Such a partition belongs to eager."""
+    names = {str(n.target).split(">")[0].replace("<EdgeOpOverload: ", "") for n in graph.nodes if n.op == "call_function"}
+    left = sorted(x for x in names if "executorch_call_delegate" not in x and "getitem" not in x
+                  and not any(c in x for c in _CHEAP))
+    if left:
+        raise RuntimeError(f"XnnpackPartitioner left {', '.join(left)} to portable kernels")
+
+
 class Xnnpack:
     name = "xnnpack"
 
@@ -69,7 +84,9 @@ class Xnnpack:
         exported = graph.to_exported_program()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            program = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()]).to_executorch()
+            edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+            _check_all_delegated(edge.exported_program().graph_module.graph)
+            program = edge.to_executorch()
         n_inputs = sum(1 for r in graph.input_roles if r != "param")
         return Artifact(self.name, bytes(program.buffer), {"n_inputs": n_inputs, "n_outputs": len(graph.output_roles)})
 
