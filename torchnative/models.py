@@ -56,7 +56,7 @@ def build(name: str, size: str = "tiny", seed: int = 0) -> torch.nn.Module:
 def example_inputs(name: str, model: torch.nn.Module, batch: int = 1, seq: int = 16) -> dict:
     g = torch.Generator().manual_seed(1)
     if name in ("vit", "resnet"):
-        size = getattr(model.config, "image_size", 32 if name == "resnet" else 224)
+        size = getattr(model.config, "image_size", 224)
         return {"pixel_values": torch.randn(batch, model.config.num_channels, size, size, generator=g)}
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
