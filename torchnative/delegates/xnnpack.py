@@ -37,6 +37,10 @@ def _edge_name(op: torch._ops.OpOverload) -> str:
     return f"{_EDGE_NAMES.get(name, name)}.{op._overloadname}"
 
 
+# claimed by a partitioner config, yet left to portable kernels in our graphs (seen on BERT, GPT-2,
+# Llama, ViT); a fusion pass to `linear` would win them back
+_DECLINED = frozenset({"addmm.default", "mm.default", "bmm.default", "pow.Tensor_Scalar", "mean.dim", "cat.default"})
+
 # what may stay outside the XNNPACK blob: data movement the portable runtime does cheaply
 _CHEAP = ("view_copy", "permute_copy", "unsqueeze_copy", "squeeze_copy", "expand_copy", "slice_copy",
           "select_copy", "clone", "_to_dim_order_copy", "_clone_dim_order", "alias_copy")
@@ -65,6 +69,9 @@ class Xnnpack:
             return Support(False, f"{node.target} is not an aten op")
         if _edge_name(node.target) not in _targets():
             return Support(False, f"no XNNPACK kernel for {node.target}")
+        if _edge_name(node.target) in _DECLINED:
+            return Support(False, f"XnnpackPartitioner declines {node.target} in our graphs (weights arrive "
+                                  "permuted, not as linear); it would run on ExecuTorch's portable kernels")
         for x in (node, *node.all_input_nodes):
             v = x.meta.get("val")
             if not isinstance(v, torch.Tensor):
@@ -73,6 +80,8 @@ class Xnnpack:
                 return Support(False, f"{v.dtype} tensors: XNNPACK takes float32 (and quantized) graphs")
             if v.numel() == 0:
                 return Support(False, "empty tensors: the ExecuTorch runtime aborts on their strides")
+        if node.target is torch.ops.aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
+            return Support(False, "XNNPACK's gelu is the exact (erf) one; tanh approximation differs")
         if node.target is torch.ops.aten.convolution.default and node.args[0].meta["val"].dim() != 4:
             return Support(False, "XNNPACK convolution is 2-D (4-D input) only")
         return YES
