@@ -68,7 +68,7 @@ def _out_meta(out: Any) -> tuple:
     raise Unrecordable(f"returns {type(out).__name__}, not tensors")
 
 
-def infer(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, bool]:
+def infer(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple, type | None]:
     """Output metadata of `op` on these arguments, and the sequence type (list/tuple) it
     returns its outputs in, or None for a single tensor."""
     key = (op, _key(args), _key(kwargs))

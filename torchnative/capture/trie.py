@@ -89,11 +89,6 @@ def _decode(x: Any, env: dict) -> Any:
     return x
 
 
-def decode_scalar(x: Any) -> Any:
-    """The Python value of an encoded non-tensor argument."""
-    return _decode(x, {})
-
-
 @dataclass(frozen=True)
 class Signature:
     """Which slots leave the graph: live outputs, and (input slot, new value slot) state writes."""
