@@ -10,14 +10,16 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.delegates import REGISTRY, Availability
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
 from torchnative.runtime.program import CapturedOpError
+from torchnative.runtime.replay import Replayer, Tracer, guard_key
 from torchnative.runtime.session import session
-from torchnative.shim import LazyTensor
+from torchnative.shim import LazyTensor, current_handler
 
 __all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates",
            "CapturedOpError", "Explanation", "LazyTensor"]
@@ -56,8 +58,15 @@ def _real_outputs(out: Any) -> Any:
     return out
 
 
-def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None) -> torch.nn.Module:
+def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
+               replay: bool = True) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
+
+    With `replay` (the default), a call whose recording ran only compiled graphs and read only
+    scalars of them is replayed without running `forward`'s Python once two consecutive calls with
+    the same argument metadata recorded the same graphs; a scalar that comes out different, or a
+    changed weight, records the call again. Python-only side effects of `forward` (a call counter
+    on the module) do not happen on a replayed call: pass `replay=False` if `forward` has them.
 
     `delegates` is the preference order of delegates (see `capture`). Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
     """
@@ -65,12 +74,25 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         return model
     original = model.forward
     buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
+    replayer = Replayer(model, buffers)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with session(delegates, buffers):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = guard_key(model, leaves, spec) if replay and current_handler() is None else None
+        if key is None:
+            with session(delegates, buffers):
+                out = original(*args, **kwargs)
+            return _real_outputs(out)  # after the session: its end runs the pending graph
+        replayed, out = replayer.replay(key, leaves)
+        if replayed:
+            return out
+        tracer = Tracer()
+        with session(delegates, buffers, tracer):
             out = original(*args, **kwargs)
-        return _real_outputs(out)
+        out = _real_outputs(out)
+        replayer.learn(key, tracer, leaves, out)
+        return out
 
     model.__dict__[_ORIGINAL] = original
     model.forward = forward

@@ -37,12 +37,16 @@ class Stats:
     graph_runs: int = 0
     syncs: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
+    replays: int = 0                      # calls run from a trace, without recording
+    replay_misses: int = 0                # a trace's guard failed; the call was recorded
+    replay_ineligible: Counter = field(default_factory=Counter)  # why a call cannot be replayed
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
-                "fallbacks": dict(self.fallbacks)}
+                "fallbacks": dict(self.fallbacks), "replays": self.replays,
+                "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible)}
 
 
 STATS = Stats()

@@ -72,6 +72,7 @@ class Recorder:
         self.execute = execute
         self.mode = mode
         self.weights = weights  # ids of tensors that are weights though not nn.Parameters (buffers)
+        self.observe: Callable[[Any, tuple, Any], None] | None = None  # told of every op run eagerly
         self._reset()
 
     def _reset(self) -> None:
@@ -107,8 +108,14 @@ class Recorder:
         if k is _ANSWER:
             return c.decomposition(*args, **kwargs)
         if k is _RANDOM and not self.roots and not _any_pending(args, kwargs):
-            return run_eagerly(op, args, kwargs)
+            return self.eagerly(op, args, kwargs)
         return self.cut(op, args, kwargs, c.reason)
+
+    def eagerly(self, op, args: tuple, kwargs: dict) -> Any:
+        out = run_eagerly(op, args, kwargs)
+        if self.observe is not None:
+            self.observe(op, args, out)
+        return out
 
     def call(self, op, args: tuple, kwargs: dict | None = None) -> Any:
         return self(op, args, kwargs or {})
@@ -311,7 +318,7 @@ class Recorder:
     # -- cuts -----------------------------------------------------------------------------------
     def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
         self.flush(reason, op)
-        out = run_eagerly(op, args, kwargs)
+        out = self.eagerly(op, args, kwargs)
         dst = args[0] if args else None
         if type(dst) is LazyTensor and op._schema.is_mutable and dst._value.shape != dst.shape:
             _set_meta(dst, dst._value)  # resize_/set_ changed the real value's shape
@@ -321,6 +328,8 @@ class Recorder:
         """Called by a lazy tensor whose data Python needs (tolist, numpy, data_ptr, repr)."""
         if t._slot >= 0 or self.roots:
             self.flush(reason, None)
+        if self.observe is not None:
+            self.observe(None, (t,), None)
 
     def flush(self, reason: str | None = None, op: Any = None) -> None:
         """Run the pending graph and materialize every live lazy tensor it produced."""

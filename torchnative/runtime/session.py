@@ -9,13 +9,16 @@ from torchnative.capture.recorder import Recorder
 from torchnative.capture.trie import Node, Signature
 from torchnative.delegates import Delegate, resolve
 from torchnative.runtime.program import program_for
+from torchnative.runtime.replay import Tracer
 from torchnative.shim import DoorMode, current_handler, set_handler
 
 
-def _executor(delegates: tuple[Delegate, ...]):
+def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None):
     def execute(node: Node, sig: Signature, inputs: list, n_ops: int) -> list:
         program, hit = program_for(node, sig, delegates, inputs)
         values = program(inputs)
+        if tracer is not None:
+            tracer.ran(program, inputs, values, bool(sig.state))
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions))
         return values
@@ -23,15 +26,21 @@ def _executor(delegates: tuple[Delegate, ...]):
 
 
 @contextmanager
-def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset()) -> Iterator[Recorder | None]:
-    """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers."""
+def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
+            tracer: Tracer | None = None) -> Iterator[Recorder | None]:
+    """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
+    `tracer` watches the session for replay (ignored when nested: the outer session records)."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
+        if tracer is not None:
+            tracer.refuse("called inside another capture")
         yield outer
         outer.flush()
         return
     mode = DoorMode()
-    recorder = Recorder(_executor(resolve(delegates)), mode, weights)
+    recorder = Recorder(_executor(resolve(delegates), tracer), mode, weights)
+    if tracer is not None:
+        recorder.observe = tracer.eager
     previous = set_handler(recorder)
     try:
         with mode:

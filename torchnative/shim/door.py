@@ -39,7 +39,8 @@ def set_handler(handler: Handler | None) -> Handler | None:
 
 def _value_of(x: Any) -> Any:
     if type(x) is LazyTensor:
-        return x.materialize("eager op on a lazy tensor")
+        # a materialized value needs no sync: the op that reads it is the handler's to report
+        return x._value if x._slot < 0 and x._value is not None else x.materialize("eager op on a lazy tensor")
     if type(x) in (list, tuple):
         return type(x)(_value_of(v) for v in x)
     return x

@@ -1,0 +1,128 @@
+"""Replay of a forward proven stable (runtime/replay.py): outputs stay eager's when the guards
+hold, and a call is recorded again whenever Python might have done something different."""
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import assert_same
+from torchnative import models
+
+DELEGATES = [["eager"], ["ort"]]
+
+
+def _calls(model, inputs: list[dict]) -> list:
+    with torch.no_grad():
+        return [model(**kw) for kw in inputs]
+
+
+@pytest.mark.parametrize("delegates", DELEGATES, ids=lambda d: d[0])
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_stable_forward_replays_with_eager_outputs(name, delegates):
+    model = models.build(name)
+    inputs = [models.example_inputs(name, model, batch=2, seq=8) for _ in range(4)]
+    if name == "gpt2":  # a KV cache object made inside forward and returned is never replayed
+        inputs = [dict(kw, use_cache=False) for kw in inputs]
+    for kw in inputs[2:]:
+        kw["input_ids"] = torch.randint_like(kw["input_ids"], 100)  # new values, same metadata
+    ref = _calls(model, inputs)
+    torchnative.accelerate(model, delegates=delegates)
+    torchnative.reset_stats()
+    out = _calls(model, inputs)
+    key = "logits" if "logits" in ref[0] else "last_hidden_state"
+    for o, r in zip(out, ref):
+        assert type(o) is type(r)
+        assert_same(o[key], r[key], rtol=1e-4, atol=1e-5)
+    s = torchnative.stats()
+    assert s["replays"] == 2, s
+    assert s["ops_recorded"] > 0 and not s["replay_ineligible"]
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # data-dependent Python: a replay must check the scalar it read
+            return y * 2
+        return y - 1
+
+
+def test_scalar_that_differs_records_the_call_again():
+    model = Branchy()
+    pos, neg = torch.full((2, 4), 10.0), torch.full((2, 4), -10.0)
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.eye(4))
+        model.lin.bias.zero_()
+        ref = [model(x) for x in (pos, pos, pos, neg, neg, neg, neg)]
+        torchnative.accelerate(model)
+        torchnative.reset_stats()
+        out = [model(x) for x in (pos, pos, pos, neg, neg, neg, neg)]
+    for o, r in zip(out, ref):
+        assert_same(o, r)
+    s = torchnative.stats()
+    # pos, pos: recorded; pos: replayed; neg: misses, recorded; neg: recorded; neg, neg: replayed
+    assert s["replay_misses"] == 1 and s["replays"] == 3, s
+
+
+@pytest.mark.parametrize("delegates", DELEGATES, ids=lambda d: d[0])
+def test_weights_changed_in_place_or_reassigned_are_seen(delegates):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x = torch.randn(4, 8)
+    torchnative.accelerate(model, delegates=delegates)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        model[0].weight.add_(0.5)           # an optimizer step
+        after_step = torchnative.deaccelerate(model)(x)
+        torchnative.accelerate(model, delegates=delegates)
+        for _ in range(3):
+            model(x)
+        assert_same(model(x), after_step)
+        model[2].weight = torch.nn.Parameter(torch.randn(3, 8))  # a new tensor altogether
+        assert_same(model(x), torchnative.deaccelerate(model)(x))
+
+
+def test_random_ops_are_never_replayed():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        ref = []
+        for i in range(4):
+            torch.manual_seed(i)
+            ref.append(model(x))
+        torchnative.accelerate(model)
+        torchnative.reset_stats()
+        for i in range(4):
+            torch.manual_seed(i)
+            assert_same(model(x), ref[i])
+    s = torchnative.stats()
+    assert s["replays"] == 0 and s["replay_ineligible"], s
+
+
+def test_python_side_effects_run_unless_replay_is_on():
+    class Counting(torch.nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x + 1
+
+    x = torch.ones(3)
+    for replay, expected in ((False, 4), (True, 2)):
+        model = torchnative.accelerate(Counting(), replay=replay)
+        for _ in range(4):
+            assert_same(model(x), x + 1)
+        assert model.calls == expected
+
+
+def test_explain_on_an_accelerated_model_records():
+    model = models.build("bert")
+    kw = models.example_inputs("bert", model, seq=8)
+    torchnative.accelerate(model)
+    with torch.no_grad():
+        for _ in range(3):
+            model(**kw)
+        e = torchnative.explain(model, **kw)
+    assert e.graphs and e.ops_recorded > 0

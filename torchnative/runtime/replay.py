@@ -1,0 +1,250 @@
+"""Replay of a forward proven stable: its compiled programs run without per-op Python work.
+
+Python always runs while a call is recorded (DESIGN.md §3); that costs tens of µs per op. A call
+of an accelerated module whose recording ran only compiled programs and read only scalars
+(`.item()`, `bool()` of a graph value) is described by a `Trace`: which programs ran, where each
+input came from (an argument, an earlier program's output, a weight), which scalar Python read
+after which program, and how the outputs were assembled. When two consecutive calls with the same
+guards (argument structure and metadata, non-tensor arguments, grad mode, training flag) produced
+the same trace, later calls with those guards replay it: each program runs, each scalar read is
+checked against the recorded one, and a mismatch (Python would have branched differently), a
+changed weight, or a re-registered parameter anywhere falls back to recording the call — the
+programs run so far wrote nothing, so running the call again is safe.
+
+Anything else Python did with tensor data (a random op, an eager fallback op, `.tolist()`, a
+write into a real tensor, a tensor made from Python data) makes the call ineligible; the reason is
+counted in `stats()["replay_ineligible"]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchnative import events
+
+aten = torch.ops.aten
+_SCALAR_READ = aten._local_scalar_dense.default
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+# Bumped whenever any module (re)registers a parameter or buffer: a replayed trace holds the old
+# tensors, so it must not outlive them.
+_registrations = 0
+
+
+def _bump(*_: Any) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
+
+
+class Ineligible(Exception):
+    """This call cannot be described by a trace; the message says why."""
+
+
+def _plain(spec: Any, outputs: bool = False) -> bool:
+    """Only plain containers (and, for outputs, transformers' ModelOutput dataclasses): any other
+    pytree-registered object, such as a KV cache, has state that Python updates."""
+    if spec.is_leaf():
+        return True
+    ok = spec.type in (tuple, list, dict) or (
+        outputs and issubclass(spec.type, OrderedDict) and dataclasses.is_dataclass(spec.type))
+    return ok and all(_plain(c, outputs) for c in spec.children())
+
+
+def guard_key(model: torch.nn.Module, leaves: list, spec: Any) -> tuple | None:
+    """What a trace is valid for, from the call's flattened arguments; None when they hold
+    objects Python may act on (a cache object, a module, ...)."""
+    if not _plain(spec):
+        return None
+    described = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor:
+                return None
+            described.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad))
+        elif type(x) in _SCALARS:
+            described.append((type(x), x))
+        else:
+            return None
+    return (spec, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
+
+
+def _resolve(src: tuple, leaves: list, produced: list) -> Any:
+    kind = src[0]
+    if kind == "arg":
+        return leaves[src[1]]
+    if kind == "out":
+        return produced[src[1]][src[2]]
+    if kind == "view":
+        return _resolve(src[1], leaves, produced).as_strided(*src[2:])
+    return src[1]  # "const", "py"
+
+
+@dataclass(frozen=True)
+class Step:
+    program: Any                  # runtime.program.Program
+    sources: tuple                # per input: ("arg", i) | ("out", step, j) | ("const", tensor)
+                                  # | ("view", source, shape, stride, offset): an alias of a source
+    reads: tuple                  # ((j, value), ...): Python read output j as this scalar
+
+
+@dataclass(frozen=True)
+class Trace:
+    steps: tuple
+    outputs: tuple                # per output leaf: a source, or ("py", value)
+    spec: Any                     # the output's pytree structure
+    registrations: int
+
+    def same_as(self, other: "Trace") -> bool:
+        def norm(src):
+            return ("const", id(src[1])) if src[0] == "const" else src
+        mine = [(s.program, tuple(map(norm, s.sources)), s.reads) for s in self.steps]
+        theirs = [(s.program, tuple(map(norm, s.sources)), s.reads) for s in other.steps]
+        return (mine == theirs and self.spec == other.spec and self.registrations == other.registrations
+                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs])
+
+    def run(self, leaves: list) -> Any:
+        """The call's output, or None when a guard fails (then nothing was written)."""
+        if self.registrations != _registrations:
+            return None
+        produced: list[list] = []
+        for step in self.steps:
+            inputs = [_resolve(s, leaves, produced) for s in step.sources]
+            if not step.program.valid_for(inputs):
+                return None
+            values = step.program(inputs)
+            events.STATS.graph_runs += 1
+            events.emit(events.GraphRun(step.program.graph, True, 0, step.program.partitions))
+            for j, expected in step.reads:
+                got = values[j].item()
+                if type(got) is not type(expected) or got != expected:
+                    return None
+            produced.append(values)
+        out = [_resolve(o, leaves, produced) for o in self.outputs]
+        return pytree.tree_unflatten(out, self.spec)
+
+
+class Tracer:
+    """Watches one recorded call: the programs it ran and what Python did with their values."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []       # (program, inputs, values, writes state)
+        self.reads: list[tuple] = []      # (tensor read, value)
+        self.why: str | None = None
+
+    def ran(self, program: Any, inputs: list, values: list, writes_state: bool) -> None:
+        if writes_state:
+            self.refuse(f"a graph writes into a real tensor ({len(values)} outputs)")
+        self.runs.append((program, list(inputs), list(values)))
+
+    def eager(self, op: Any, args: tuple, out: Any) -> None:
+        """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""
+        if op is _SCALAR_READ:
+            t = args[0]
+            self.reads.append((t._value if hasattr(t, "_slot") else t, out))
+        else:
+            self.refuse(f"{op if op is not None else 'data read'} ran outside a graph")
+
+    def refuse(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+
+    def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any) -> Trace:
+        if self.why is not None:
+            raise Ineligible(self.why)
+        where: dict[int, tuple] = {}    # id(tensor) -> source
+        storages: dict[int, tuple] = {}  # storage address -> source of a tensor on that storage
+
+        def known(x: torch.Tensor, src: tuple) -> None:
+            where[id(x)] = src
+            if x.numel():
+                storages.setdefault(x.untyped_storage().data_ptr(), src)
+
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                known(x, ("arg", i))
+
+        def source(x: Any) -> tuple:
+            if not isinstance(x, torch.Tensor):
+                if type(x) in _SCALARS:
+                    return ("py", x)
+                raise Ineligible(f"the output holds a {type(x).__name__}")
+            s = where.get(id(x))
+            if s is not None:
+                return s
+            if weights(x) or not x.numel():  # an empty tensor has no data to differ
+                return ("const", x)
+            base = storages.get(x.untyped_storage().data_ptr()) if x.numel() else None
+            if base is not None:  # a view Python took of a graph value (logits = mm(...).view(...))
+                return ("view", base, tuple(x.shape), x.stride(), x.storage_offset())
+            raise Ineligible(f"a graph reads a {x.dtype} tensor of shape {list(x.shape)} made in Python during the call")
+
+        reads: list[list] = [[] for _ in self.runs]
+        produced = {id(v): (k, j) for k, run in enumerate(self.runs) for j, v in enumerate(run[2])}
+        for t, value in self.reads:
+            if id(t) not in produced:
+                raise Ineligible("Python read a scalar of a tensor that is not a graph output")
+            k, j = produced[id(t)]
+            reads[k].append((j, value))
+        steps = []
+        for k, (program, inputs, values) in enumerate(self.runs):
+            if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+                raise Ineligible("autograd records this call")
+            steps.append(Step(program, tuple(source(x) for x in inputs), tuple(reads[k])))
+            for j, v in enumerate(values):
+                known(v, ("out", k, j))
+        outputs, spec = pytree.tree_flatten(out)
+        if not _plain(spec, outputs=True):
+            raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
+        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, _registrations)
+
+
+@dataclass
+class _Entry:
+    trace: Trace
+    seen: int = 1
+
+
+class Replayer:
+    """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
+
+    def __init__(self, model: torch.nn.Module, weights: frozenset[int]):
+        self.model = model
+        self.weights = weights
+        self.entries: dict[tuple, _Entry] = {}
+
+    def is_weight(self, x: torch.Tensor) -> bool:
+        return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
+
+    def replay(self, key: tuple, leaves: list) -> tuple[bool, Any]:
+        entry = self.entries.get(key)
+        if entry is None or entry.seen < 2:
+            return False, None
+        out = entry.trace.run(leaves)
+        if out is None:
+            events.STATS.replay_misses += 1
+            return False, None
+        events.STATS.replays += 1
+        return True, out
+
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any) -> None:
+        try:
+            trace = tracer.trace(leaves, self.is_weight, out)
+        except Ineligible as e:
+            events.STATS.replay_ineligible[str(e)] += 1
+            self.entries.pop(key, None)
+            return
+        entry = self.entries.get(key)
+        if entry is not None and entry.trace.same_as(trace):
+            entry.seen += 1
+            entry.trace = trace
+        else:
+            self.entries[key] = _Entry(trace)
