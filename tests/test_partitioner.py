@@ -43,6 +43,18 @@ def test_no_cycle_through_an_unsupported_node():
     assert plan.declined["b"] == [("d", "d has no aten.sin.default")]
 
 
+def test_unconnected_regions_of_one_delegate_join():
+    # c = exp(x) shares no edge with a = relu(x) but joins it: one delegate call instead of two
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        b = g.call_function(aten.sin.default, (a,), name="b")
+        c = g.call_function(aten.exp.default, (x,), name="c")
+        return [b, c]
+
+    plan = partition(_graph(build), [Takes("t", {aten.relu.default, aten.exp.default})])
+    assert _layout(plan) == [("t", ["a", "c"]), ("eager", ["b"])]
+
+
 def test_interleaved_delegates_follow_preference_order():
     def build(g, x):
         a = g.call_function(aten.relu.default, (x,), name="a")

@@ -2,7 +2,7 @@
 
 Each call node goes to the first delegate (in the user's preference order) that supports it;
 connected nodes of one delegate grow into maximal regions without creating a cycle between
-partitions; regions with fewer than `min_ops` computing ops (views do not count) go to eager. Every node a delegate declined keeps the reason.
+partitions, then unconnected regions of one delegate join where no cycle forbids it; regions with fewer than `min_ops` computing ops (views do not count) go to eager. Every node a delegate declined keeps the reason.
 """
 from __future__ import annotations
 
@@ -94,6 +94,13 @@ def _grow(nodes: list[fx.Node], label: dict) -> list[list[fx.Node]]:
             a, b = part[u], part[n]
             if a != b and not _would_cycle(q, a, b):
                 _merge(q, members, part, a, b)
+    # Regions of one delegate that share no edge (an op on a state input alone) still join when
+    # no cycle forbids it: each partition is a delegate call with its own fixed cost.
+    first: dict[str, int] = {}
+    for p in list(nx.lexicographical_topological_sort(q, key=lambda p: min(index[m] for m in members[p]))):
+        a = first.setdefault(label[members[p][0]], p)
+        if a != p and not _would_cycle(q, a, p):
+            _merge(q, members, part, a, p)
     order = nx.lexicographical_topological_sort(q, key=lambda p: min(index[m] for m in members[p]))
     return [sorted(members[p], key=index.__getitem__) for p in order]
 
