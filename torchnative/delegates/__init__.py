@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from torchnative.delegates import eager, ort, xnnpack
+from torchnative.delegates import candle, eager, ort, xnnpack
 from torchnative.delegates.base import Artifact, Availability, Delegate, Support
 
-REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, eager.delegate)}
+REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, candle.delegate, candle.q8_0,
+                                                     candle.q4k, eager.delegate)}
 DEFAULT: tuple[str, ...] = ("eager",)
 
 

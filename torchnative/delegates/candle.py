@@ -1,0 +1,711 @@
+"""HF candle on CPU through its Python bindings (`candle-nn` 0.4.2): a Core ATen subgraph becomes
+a list of candle calls that a small interpreter runs. Params (and whatever is computed from them
+alone) are converted to candle once, at compile. `candle-q8_0` and `candle-q4k` also store the
+param weights that feed matmuls as GGUF blocks of that type, so they are inexact by design."""
+from __future__ import annotations
+
+import array
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import math
+import operator
+import os
+import struct
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+try:
+    import candle  # the bindings' package (this module is torchnative.delegates.candle)
+except ImportError:  # available() says so, with the install hint
+    candle = None
+
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.ir import CapturedGraph
+
+_VERSION = "0.4.2"
+_HINT = f"pip install candle-nn=={_VERSION}"
+aten = torch.ops.aten
+
+# ---- moving tensors between torch and candle -----------------------------------------------------
+# The bindings convert element by element through Python objects: candle.Tensor(ndarray) takes
+# 73-118 ms and Tensor.to_torch() 190 ms per 4 MiB. candle reads and writes safetensors files, so
+# a memfd (an in-memory file candle opens by its /proc path) carries the big tensors: per call
+# ~50 µs, plus ~0.7 ms/MiB in and ~0.6 ms/MiB out (4 MiB: 3.2 ms in, 2.5 ms out). Python lists
+# win for small tensors: 768 floats take 31 µs in and 40 µs out (memfd: 52 and 52 µs).
+_LIST_IN, _LIST_OUT = 1024, 512  # elements: at most this many move as a Python list
+
+_DTYPES = {torch.float32: "f32", torch.int64: "i64", torch.bool: "u8"}  # bool is candle's u8 mask
+_SAFETENSORS = {torch.float32: "F32", torch.int64: "I64", torch.bool: "U8"}
+_ARRAY = {torch.float32: "f", torch.int64: "q", torch.bool: "B"}
+
+
+class _Memfile:
+    """An in-memory file that candle opens by path; one per thread, reused call after call."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("torchnative-candle", os.MFD_CLOEXEC)
+        self.path = f"/proc/self/fd/{self.fd}"
+
+    def __del__(self):
+        os.close(self.fd)
+
+    def write(self, buffers: list) -> None:
+        offset = 0
+        for b in buffers:
+            b = memoryview(b)
+            while b:  # a write moves at most ~2 GiB
+                n = os.pwrite(self.fd, b, offset)
+                offset, b = offset + n, b[n:]
+        os.ftruncate(self.fd, offset)  # candle reads the whole file
+
+    def read_into(self, t: torch.Tensor, offset: int) -> None:
+        b = memoryview(t.view(-1).view(torch.uint8).numpy())  # t is fresh, hence contiguous
+        while b:
+            n = os.preadv(self.fd, [b], offset)
+            offset, b = offset + n, b[n:]
+
+    def read(self) -> bytes:
+        return os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+
+
+_local = threading.local()
+
+
+def _memfile() -> _Memfile:
+    if not hasattr(_local, "file"):
+        _local.file = _Memfile()
+    return _local.file
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:  # a broadcast scalar (stride 0) counts as contiguous
+        flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _safetensors(named: list[tuple[str, torch.Tensor]]) -> list:
+    """The buffers of a safetensors file holding `named` (contiguous tensors)."""
+    header, offset = {}, 0
+    for name, t in named:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)  # keeps the data 8-byte aligned, so candle can cast it in place
+    return [struct.pack("<Q", len(h)) + h] + [_bytes(t) for _, t in named]
+
+
+def _to_candle(tensors: list[torch.Tensor]) -> list:
+    out: list = []
+    big = []
+    for i, t in enumerate(tensors):
+        if t.numel() <= _LIST_IN:
+            c = candle.Tensor(t.reshape(-1).tolist())  # ints and bools arrive as u32
+            out.append(c.to_dtype(_DTYPES[t.dtype]).reshape(tuple(t.shape)))
+        else:
+            out.append(None)
+            big.append((str(i), t.detach().contiguous()))
+    if big:
+        f = _memfile()
+        f.write(_safetensors(big))
+        loaded = candle.utils.load_safetensors(f.path)
+        for name, _ in big:
+            out[int(name)] = loaded[name]
+    return out
+
+
+def _to_torch(values: list, metas: list[torch.Tensor]) -> list[torch.Tensor]:
+    out: list = []
+    big = {}
+    for i, (c, m) in enumerate(zip(values, metas)):
+        if m.numel() <= _LIST_OUT:
+            flat = array.array(_ARRAY[m.dtype], c.flatten_all().values())
+            out.append(torch.frombuffer(flat, dtype=m.dtype).reshape(m.shape))
+        else:
+            out.append(torch.empty(m.shape, dtype=m.dtype))
+            big[str(i)] = c
+    if big:
+        f = _memfile()
+        candle.utils.save_safetensors(f.path, big)
+        n = struct.unpack("<Q", os.pread(f.fd, 8, 0))[0]
+        header = json.loads(os.pread(f.fd, n, 8))
+        for name in big:
+            f.read_into(out[int(name)], 8 + n + header[name]["data_offsets"][0])
+    return out
+
+
+# ---- lowering: one function per aten op, called with candle values in place of fx nodes -----------
+
+_LOWER: dict[Any, Callable] = {}
+_CHECKS: dict[Any, Callable[[fx.Node], str | None]] = {}
+
+
+def _lower(*ops, check: Callable[[fx.Node], str | None] | None = None):
+    def register(fn):
+        for op in ops:
+            _LOWER[op] = fn
+            if check is not None:
+                _CHECKS[op] = check
+        return fn
+    return register
+
+
+def _shape(n: fx.Node) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+def _dtype(n: fx.Node) -> str:
+    return _DTYPES[n.meta["val"].dtype]
+
+
+@functools.cache
+def _scalar(value: float, dtype: str):
+    # an int stays an int: a float would be read as f32 and lose digits past 2**24
+    return candle.Tensor(int(value) if dtype == "i64" else float(value)).to_dtype(dtype)
+
+
+def _as(n: fx.Node, v):
+    """v (a candle tensor or a Python number) as an operand of n's output dtype."""
+    if isinstance(v, (bool, int, float)):
+        return _scalar(v, _dtype(n))
+    return v if str(v.dtype).lower() == _dtype(n) else v.to_dtype(_dtype(n))
+
+
+def _dims(dims, rank: int) -> list[int]:
+    dims = range(rank) if dims is None or len(dims) == 0 else dims
+    return sorted(d % rank for d in dims) if rank else []
+
+
+def _float_out(n: fx.Node) -> str | None:
+    v = n.meta["val"]
+    v = v[0] if isinstance(v, (tuple, list)) else v
+    return None if v.dtype == torch.float32 else f"{v.dtype} arithmetic is not claimed (verified on float32 only)"
+
+
+def _numeric_out(n: fx.Node) -> str | None:
+    """float32, or int64 where candle's integer arithmetic matches eager's (wrapping add, sub, mul)."""
+    return None if n.meta["val"].dtype == torch.int64 else _float_out(n)
+
+
+def _no_alpha(n: fx.Node) -> str | None:
+    if n.kwargs.get("alpha", 1) != 1:
+        return "alpha != 1: eager fuses it into one rounding (fma), candle rounds twice"
+    return _numeric_out(n)
+
+
+@_lower(aten.add.Tensor, aten.add.Scalar, check=_no_alpha)
+def _add(n, x, y, alpha=1):
+    return _as(n, x) + _as(n, y)
+
+
+@_lower(aten.sub.Tensor, aten.sub.Scalar, check=_no_alpha)
+def _sub(n, x, y, alpha=1):
+    return _as(n, x) - _as(n, y)
+
+
+@_lower(aten.mul.Tensor, aten.mul.Scalar, check=_numeric_out)
+def _mul(n, x, y):
+    return _as(n, x) * _as(n, y)
+
+
+@_lower(aten.div.Tensor, aten.div.Scalar, check=_float_out)
+def _div(n, x, y):
+    return _as(n, x) / _as(n, y)
+
+
+def _unary(op, fn: Callable) -> None:
+    _lower(op, check=_float_out)(lambda n, x: fn(_as(n, x)))
+
+
+for _op, _fn in {aten.neg.default: lambda x: x * _scalar(-1.0, "f32"), aten.exp.default: lambda x: x.exp(),
+                 aten.log.default: lambda x: x.log(), aten.sqrt.default: lambda x: x.sqrt(),
+                 aten.rsqrt.default: lambda x: x.sqrt().recip(), aten.reciprocal.default: lambda x: x.recip(),
+                 aten.abs.default: lambda x: x.abs(), aten.sin.default: lambda x: x.sin(), aten.cos.default: lambda x: x.cos(),
+                 aten.sigmoid.default: lambda x: ((x * _scalar(-1.0, "f32")).exp() + _scalar(1.0, "f32")).recip(),
+                 aten.tanh.default: lambda x: candle.functional.tanh(x),
+                 aten.relu.default: lambda x: candle.functional.relu(x), aten.silu.default: lambda x: candle.functional.silu(x)}.items():
+    _unary(_op, _fn)
+
+
+def _gelu_check(n: fx.Node) -> str | None:
+    if n.kwargs.get("approximate", n.args[1] if len(n.args) > 1 else "none") != "none":
+        return "the tanh approximation of gelu has no candle-nn 0.4.2 binding"
+    return _float_out(n)
+
+
+@_lower(aten.gelu.default, check=_gelu_check)
+def _gelu(n, x, approximate="none"):
+    return candle.functional.gelu(x)  # candle's gelu_erf
+
+
+def _pow_check(n: fx.Node) -> str | None:
+    if isinstance(n.args[1], bool) or not isinstance(n.args[1], (int, float)):
+        return "pow with a non-numeric exponent"
+    return _float_out(n)
+
+
+@_lower(aten.pow.Tensor_Scalar, check=_pow_check)
+def _pow(n, x, e):
+    # eager's special cases (aten/src/ATen/native/cpu/PowKernel.cpp), so the roundings agree
+    special = {2: lambda: x * x, 3: lambda: x * x * x, 0.5: lambda: x.sqrt(), -0.5: lambda: x.sqrt().recip(),
+               -1: lambda: x.recip(), -2: lambda: (x * x).recip()}
+    return special[e]() if e in special else x.powf(float(e))
+
+
+def _reduce_check(n: fx.Node) -> str | None:
+    if n.kwargs.get("dtype") is not None:
+        return "reduction with a dtype argument"
+    return (_numeric_out if n.target in (aten.sum.dim_IntList, aten.sum.default) else _float_out)(n)
+
+
+def _reduce(fn: Callable) -> Callable:
+    """sum/mean/amax over `dims` (keepdim as eager), from candle's one-dim keepdim reductions."""
+    def impl(n, x, dims=None, keepdim=False, dtype=None):
+        ds = _dims(dims, len(x.shape))
+        y = fn(x, ds)
+        return y if keepdim else y.reshape(_shape(n))
+    return impl
+
+
+def _sum(x, ds):
+    return x.sum_keepdim(ds)
+
+
+def _mean(x, ds):
+    return x.sum_keepdim(ds) / _scalar(math.prod(x.shape[d] for d in ds), "f32")
+
+
+def _amax(x, ds):
+    return functools.reduce(lambda y, d: y.max_keepdim(d), ds, x)
+
+
+_lower(aten.sum.dim_IntList, check=_reduce_check)(_reduce(_sum))
+_lower(aten.mean.dim, check=_reduce_check)(_reduce(_mean))
+_lower(aten.amax.default, check=_float_out)(_reduce(_amax))
+_lower(aten.sum.default, check=_reduce_check)(lambda n, x, dtype=None: x.sum_all())
+_lower(aten.mean.default, check=_reduce_check)(lambda n, x, dtype=None: _mean(x, _dims(None, len(x.shape))).reshape(()))
+
+
+def _scalar_input(n: fx.Node) -> str | None:
+    return "a 0-d input (candle's dim-wise ops need a dimension)" if n.args[0].meta["val"].dim() == 0 else None
+
+
+def _softmax_check(n: fx.Node) -> str | None:
+    return "half_to_float softmax" if n.args[2] else _scalar_input(n) or _float_out(n)
+
+
+@_lower(aten._softmax.default, check=_softmax_check)
+def _softmax(n, x, dim, half_to_float):
+    return candle.functional.softmax(x, dim)
+
+
+@_lower(aten._log_softmax.default, check=_softmax_check)
+def _log_softmax(n, x, dim, half_to_float):
+    d = dim % len(x.shape)
+    shifted = x - x.max_keepdim(d)
+    return shifted - shifted.exp().sum_keepdim(d).log()
+
+
+@_lower(aten.native_layer_norm.default, check=_float_out)
+def _layer_norm(n, x, normalized_shape, weight, bias, eps):
+    rank = len(x.shape)
+    dims = list(range(rank - len(normalized_shape), rank))
+    count = _scalar(math.prod(normalized_shape), "f32")
+    mean = x.sum_keepdim(dims) / count
+    centered = x - mean
+    rstd = ((centered * centered).sum_keepdim(dims) / count + _scalar(eps, "f32")).sqrt().recip()
+    y = centered * rstd
+    y = y if weight is None else y * weight
+    return (y if bias is None else y + bias), mean, rstd
+
+
+def _only_first_output(n: fx.Node) -> str | None:
+    if any(u.args[1] != 0 for u in n.users):
+        return "only the first output is computed (indices / saved statistics are not)"
+    return None
+
+
+def _batch_norm_check(n: fx.Node) -> str | None:
+    return _only_first_output(n) or _float_out(n.args[0])
+
+
+@_lower(aten._native_batch_norm_legit_no_training.default, check=_batch_norm_check)
+def _batch_norm(n, x, weight, bias, mean, var, momentum, eps):
+    per_channel = (-1,) + (1,) * (len(x.shape) - 2)
+
+    def channel(v):
+        return v.reshape(per_channel)
+
+    y = (x - channel(mean)) * (channel(var) + _scalar(eps, "f32")).sqrt().recip()
+    y = y if weight is None else y * channel(weight)
+    return (y if bias is None else y + channel(bias)), None, None
+
+
+def _max_pool_check(n: fx.Node) -> str | None:
+    x, kernel, stride, padding, dilation, ceil = (*n.args, *[(), 0, 1, False][len(n.args) - 2:])
+    kernel, stride, padding, dilation = ([v] * 2 if isinstance(v, int) else list(v) for v in (kernel, stride or kernel, padding, dilation))
+    if x.meta["val"].dim() != 4 or len(set(kernel)) != 1 or len(set(stride)) != 1:
+        return "candle's max_pool2d takes a 4-D input and square kernel and stride"
+    if any(padding) or any(d != 1 for d in dilation) or ceil:
+        return "candle's max_pool2d has no padding, dilation or ceil_mode"
+    return _only_first_output(n) or _float_out(x)
+
+
+@_lower(aten.max_pool2d_with_indices.default, check=_max_pool_check)
+def _max_pool(n, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return candle.functional.max_pool2d(x, kernel[0], stride=(stride or kernel)[0]), None
+
+
+def _matmul_check(n: fx.Node) -> str | None:
+    if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+        return "addmm with beta/alpha != 1"
+    return _float_out(n)
+
+
+def _dense(x):
+    """x laid out row-major: candle's matmul and gather refuse most other strides."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _matmul(x, w):
+    if isinstance(w, candle.QTensor):  # a quantized weight, stored transposed
+        return w.matmul_t(_dense(x))
+    return _dense(x).matmul(_dense(w))
+
+
+_lower(aten.mm.default, aten.bmm.default, check=_matmul_check)(lambda n, x, w: _matmul(x, w))
+_lower(aten.addmm.default, check=_matmul_check)(lambda n, bias, x, w, beta=1, alpha=1: _matmul(x, w) + bias)
+_MAT2 = {aten.mm.default: 1, aten.bmm.default: 1, aten.addmm.default: 2}  # which argument is the weight
+
+
+def _sdpa_check(n: fx.Node) -> str | None:
+    if (n.args[3] if len(n.args) > 3 else n.kwargs.get("dropout_p", 0.0)) != 0:
+        return "attention dropout"
+    mask = n.kwargs.get("attn_mask")
+    if mask is not None and mask.meta["val"].dtype != torch.float32:
+        return "boolean attention masks"
+    if any(isinstance(t.target, torch._ops.OpOverload) and t.target._schema.name.split("::")[1].startswith(_WRITES)
+           for t in n.args[1:3]):
+        return "k/v are a cache that eager writes (index_put): moving the whole cache into candle every call costs more than the attention"
+    return _float_out(n.args[0])
+
+
+@_lower(aten._scaled_dot_product_flash_attention_for_cpu.default, check=_sdpa_check)
+def _sdpa(n, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    b, h, length, e = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    if hk != h:  # grouped-query attention: each k/v head serves h // hk query heads
+        k, v = ((t.unsqueeze(2).broadcast_as((b, hk, h // hk, s, t.shape[3])).reshape((b, h, s, t.shape[3]))) for t in (k, v))
+    scores = _matmul(q, k.transpose(2, 3)) * _scalar(scale or 1 / math.sqrt(e), "f32")
+    if is_causal:
+        scores = scores + _causal(length, s)
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    peak = scores.max_keepdim(3)
+    weights = (scores - peak).exp()
+    total = weights.sum_keepdim(3)
+    return _matmul(weights / total, v), (peak + total.log()).squeeze(3)
+
+
+@functools.cache
+def _causal(length: int, s: int):
+    """0 where query i may see key j (j <= i, top-left aligned like eager), -inf elsewhere."""
+    mask = torch.zeros(length, s).masked_fill(torch.ones(length, s, dtype=torch.bool).triu(1), float("-inf"))
+    return _to_candle([mask])[0]
+
+
+# shape-only ops: the output shape is known statically, from the node's meta
+_lower(aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+       aten.squeeze.default)(lambda n, x, *_: x.reshape(_shape(n)))
+_lower(aten.expand.default)(lambda n, x, *_, **__: x.broadcast_as(_shape(n)))
+_lower(aten.alias.default, aten.clone.default)(lambda n, x, **_: x)
+
+
+@_lower(aten.permute.default)
+def _permute(n, x, dims):
+    order = list(range(len(x.shape)))
+    for i, d in enumerate(d % len(order) for d in dims):  # candle has transpose, not permute
+        j = order.index(d)
+        if j != i:
+            x, order[i], order[j] = x.transpose(i, j), order[j], order[i]
+    return x
+
+
+def _slice_check(n: fx.Node) -> str | None:
+    return "slice with a step other than 1" if (n.args[4] if len(n.args) > 4 else 1) != 1 else None
+
+
+@_lower(aten.slice.Tensor, check=_slice_check)
+def _slice(n, x, dim=0, start=None, end=None, step=1):
+    d = dim % len(x.shape)
+    start, _, _ = slice(start, end).indices(x.shape[d])
+    return x.narrow(d, start, _shape(n)[d])
+
+
+@_lower(aten.select.int)
+def _select(n, x, dim, index):
+    d = dim % len(x.shape)
+    return x.narrow(d, index % x.shape[d], 1).squeeze(d)
+
+
+def _cat_check(n: fx.Node) -> str | None:
+    if len({t.meta["val"].dtype for t in n.args[0]}) != 1:
+        return "cat of mixed dtypes (eager promotes)"
+    return None
+
+
+@_lower(aten.cat.default, check=_cat_check)
+def _cat(n, tensors, dim=0):
+    return candle.cat(tensors, dim % len(_shape(n)))
+
+
+def _cast_check(n: fx.Node) -> str | None:
+    if set(n.kwargs) - {"dtype", "layout", "device", "memory_format"} or n.kwargs.get("device") not in (None, torch.device("cpu")):
+        return "_to_copy to another device or layout"
+    src, dst = n.args[0].meta["val"].dtype, n.meta["val"].dtype
+    if src.is_floating_point and dst == torch.int64:
+        return f"{src} → {dst}: candle saturates NaN and out-of-range values, eager does not"
+    return None
+
+
+@_lower(aten._to_copy.default, check=_cast_check)
+def _to_copy(n, x, **_):
+    # candle truncates to u8; eager's bool is "not zero"
+    return x != 0 if _dtype(n) == "u8" and str(x.dtype) != "U8" else x.to_dtype(_dtype(n))
+
+
+def _compare_check(n: fx.Node) -> str | None:
+    a, b = n.args
+    if isinstance(b, fx.Node) and a.meta["val"].dtype != b.meta["val"].dtype:
+        return "comparison of mixed dtypes (eager promotes)"
+    if isinstance(b, bool) or a.meta["val"].dtype == torch.bool:
+        return "comparison of booleans"
+    return None
+
+
+for _name, _op in {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
+                   "ge": operator.ge}.items():
+    _lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar, check=_compare_check)(lambda n, x, y, op=_op: op(x, y))
+_lower(aten.logical_not.default, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool
+       else "logical_not of a non-boolean tensor")(lambda n, x: x == 0)
+
+
+@_lower(aten.where.self, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool else "where with a non-boolean condition")
+def _where(n, cond, x, y):
+    shape = _shape(n)
+    x, y = (_as(n, t).broadcast_as(shape) for t in (x, y))
+    return cond.broadcast_as(shape).where_cond(x, y)  # candle wants one shape for all three
+
+
+def _index_check(n: fx.Node) -> str | None:
+    return _scalar_input(n) or (None if n.args[-1].meta["val"].dtype == torch.int64 else "indices that are not int64")
+
+
+@_lower(aten.embedding.default, check=lambda n: None if n.args[1].meta["val"].dtype == torch.int64 else "indices that are not int64")
+def _embedding(n, weight, indices, *_):
+    return weight.index_select(indices.flatten_all(), 0).reshape(_shape(n))
+
+
+@_lower(aten.index_select.default, check=_index_check)
+def _index_select(n, x, dim, index):
+    return x.index_select(index.flatten_all(), dim % len(x.shape))
+
+
+def _gather_check(n: fx.Node) -> str | None:
+    x, dim, index = (a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args[:3])
+    same = x.dim() == index.dim() and all(a == b for i, (a, b) in enumerate(zip(x.shape, index.shape)) if i != dim % x.dim())
+    if not same:
+        return "candle's gather needs the index shaped like the input outside `dim`"
+    return _scalar_input(n) or (None if index.dtype == torch.int64 else "indices that are not int64")
+
+
+@_lower(aten.gather.default, check=_gather_check)
+def _gather(n, x, dim, index, sparse_grad=False):
+    return _dense(x).gather(_dense(index), dim % len(x.shape))
+
+
+# Made from arguments alone: compile computes them with torch, once (see _fold).
+_CONSTANT = frozenset({aten.full.default, aten.arange.start_step, aten.arange.default, aten.arange.start,
+                       aten.scalar_tensor.default, aten.zeros.default, aten.ones.default})
+
+# why candle declines some ops by name
+_WRITES = ("index_put", "index_copy", "scatter")
+_MISSING = {"convolution": "candle-nn 0.4.2's Python bindings have no convolution",
+            "index_put": "candle-nn 0.4.2 has no scatter/index_put (in-place updates such as a KV cache's stay in eager)",
+            "scatter": "candle-nn 0.4.2 has no scatter/index_put", "index_copy": "candle-nn 0.4.2 has no scatter/index_put",
+            "cumsum": "candle-nn 0.4.2's Python bindings have no cumsum"}
+
+
+def _values(node: fx.Node):
+    for x in (node, *node.all_input_nodes):
+        v = x.meta.get("val")
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+# ---- compile: fold what params alone determine, quantize matmul weights, pack the weights ---------
+
+_BLOCK = {"q8_0": 32, "q4k": 256}  # GGUF block sizes along a weight's input dimension
+
+
+def _fold(graph: CapturedGraph) -> tuple[dict[fx.Node, Any], dict[fx.Node, str]]:
+    """Values of the nodes that params alone determine (eager computes them, once), and for those
+    that derive from a param, its name."""
+    values: dict[fx.Node, Any] = {}
+    origin: dict[fx.Node, str] = {}
+    for n in graph.gm.graph.nodes:
+        if n.op == "placeholder" and n.name in graph.constants:
+            values[n], origin[n] = graph.constants[n.name], n.name
+        elif n.op == "call_function" and all(u in values for u in n.all_input_nodes):
+            args, kwargs = fx.map_arg((n.args, n.kwargs), values.__getitem__)
+            values[n] = n.target(*args, **kwargs)
+            sources = [origin[u] for u in n.all_input_nodes if u in origin]
+            if sources:
+                origin[n] = sources[0]
+    return values, origin
+
+
+def _weight(n: fx.Node, value: torch.Tensor, quant: str | None) -> torch.Tensor | None:
+    """The (out, in) matrix to quantize for constant n, when every use is as a matmul weight."""
+    if quant is None or not all(u.target in _MAT2 and u.args[_MAT2[u.target]] is n for u in n.users):
+        return None
+    if value.dim() == 3 and value.stride(0) == 0:  # bmm against an expanded 2-D weight
+        value = value[0]
+    if value.dim() != 2 or value.shape[0] % _BLOCK[quant]:
+        return None
+    return value.t().contiguous()
+
+
+class Candle:
+    def __init__(self, name: str, quant: str | None = None):
+        self.name, self.quant = name, quant
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("candle") is None:
+            return Availability("unavailable", "candle-nn is not installed", _HINT)
+        version = importlib.metadata.version("candle-nn")
+        if version != _VERSION:
+            return Availability("unavailable", f"candle-nn {version} is installed; this delegate is verified on {_VERSION}", _HINT)
+        if not hasattr(os, "memfd_create"):
+            return Availability("unavailable", "tensors move through os.memfd_create, which this OS lacks")
+        return Availability("executes")
+
+    def supports(self, node: fx.Node) -> Support:
+        if node.target not in _LOWER and node.target not in _CONSTANT:
+            name = getattr(node.target, "_schema", None) and node.target._schema.name.split("::")[1]
+            why = next((w for k, w in _MISSING.items() if name and name.startswith(k)), None)
+            return Support(False, why or f"no candle lowering for {node.target}")
+        for v in _values(node):
+            if v.dtype not in _DTYPES:
+                return Support(False, f"{v.dtype} tensors: the candle delegate takes float32, int64 indices, bool masks")
+            if v.numel() == 0:
+                return Support(False, "empty tensors")
+            if any(isinstance(s, torch.SymInt) for s in v.shape):
+                return Support(False, "symbolic shapes: candle programs are built for static shapes")
+        if node.target in _CONSTANT and node.all_input_nodes:
+            return Support(False, f"{node.target} of runtime values")
+        why = _CHECKS[node.target](node) if node.target in _CHECKS else None
+        return Support(False, f"{why} ({node.target})") if why else YES
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        values, origin = _fold(graph)
+        kept = [n for n in values if any(u not in values for u in n.users)]
+        fp32, quantize = [], {}
+        for n in kept:
+            w = _weight(n, values[n], self.quant if n in origin else None)
+            if w is None:
+                fp32.append((n.name, values[n].detach().contiguous()))
+            else:
+                quantize[n.name] = w
+        gguf = b""
+        if quantize:
+            f = _memfile()
+            f.write(_safetensors(list(quantize.items())))
+            loaded = candle.utils.load_safetensors(f.path)
+            blocks = {name: loaded[name].quantize(self.quant) for name in quantize}
+            candle.utils.save_gguf(f.path, blocks, {})
+            gguf = f.read()
+        tensors = b"".join(_safetensors(fp32))
+        meta = {"graph": graph, "folded": {n.name for n in values}, "safetensors_bytes": len(tensors),
+                "quantized": {origin[n]: self.quant for n in kept if n.name in quantize},
+                "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in quantize})}
+        return Artifact(self.name, tensors + gguf, meta)
+
+    def load(self, artifact: Artifact) -> Runner:
+        meta, payload = artifact.meta, memoryview(artifact.payload)
+        f = _memfile()
+        f.write([payload[:meta["safetensors_bytes"]]])
+        constants = candle.utils.load_safetensors(f.path)
+        if len(payload) > meta["safetensors_bytes"]:
+            f.write([payload[meta["safetensors_bytes"]:]])
+            constants.update(candle.utils.load_gguf(f.path)[0])
+        return _interpreter(meta["graph"], meta["folded"], constants, self.name)
+
+
+def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delegate: str) -> Runner:
+    """A runner that executes the graph's remaining nodes in order on a list of slots."""
+    slots: dict[fx.Node, int] = {}
+    env0: list = []
+    steps = []
+    inputs = []
+    for n, role in zip((n for n in graph.gm.graph.nodes if n.op == "placeholder"), graph.input_roles):
+        if role != "param":
+            inputs.append(len(env0))
+            slots[n] = len(env0)
+            env0.append(None)
+    for n in graph.gm.graph.nodes:
+        if n.name in constants:
+            slots[n] = len(env0)
+            env0.append(constants[n.name])
+        elif n.op == "call_function" and n.name not in folded:
+            fn = _LOWER[n.target] if n.target is not operator.getitem else (lambda n, x, i: x[i])
+            args = [_fetcher(a, slots) for a in n.args]
+            kwargs = {k: _fetcher(a, slots) for k, a in n.kwargs.items()}
+            slots[n] = len(env0)
+            env0.append(None)
+            steps.append((n, fn, args, kwargs, slots[n]))
+    out_nodes = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]
+    outputs = [slots[n] for n in out_nodes]
+    metas = [n.meta["val"] for n in out_nodes]
+
+    def runner(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        env = list(env0)
+        node = None
+        try:
+            for i, c in zip(inputs, _to_candle(values)):
+                env[i] = c
+            for node, fn, args, kwargs, slot in steps:
+                env[slot] = fn(node, *[a(env) for a in args], **{k: a(env) for k, a in kwargs.items()})
+            node = None
+            return _to_torch([env[i] for i in outputs], metas)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # candle panics surface as pyo3's PanicException, a BaseException
+            where = f"{node.target} ({node.name})" if node is not None else "moving tensors in or out"
+            message = str(e).removeprefix("WithBacktrace { inner: ").split(", backtrace:")[0].split("\n")[0]
+            raise RuntimeError(f"{delegate}: {where} failed: {type(e).__name__}: {message}") from e
+
+    return runner
+
+
+def _fetcher(arg: Any, slots: dict) -> Callable[[list], Any]:
+    """How a step reads one argument from the slots: a node's value, a list of them, or a literal."""
+    if isinstance(arg, fx.Node):
+        i = slots[arg]
+        return lambda env: env[i]
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, fx.Node) for a in arg):
+        parts = [_fetcher(a, slots) for a in arg]
+        return lambda env: [p(env) for p in parts]
+    return lambda env: arg
+
+
+delegate = Candle("candle")
+q8_0 = Candle("candle-q8_0", "q8_0")
+q4k = Candle("candle-q4k", "q4k")
