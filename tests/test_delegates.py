@@ -15,7 +15,11 @@ from torchnative import models
 from torchnative.delegates.base import YES, Availability
 
 SWEEP = Path(__file__).with_name("opinfo_sweep.py")
-EXECUTING = [name for name, d in REGISTRY.items() if name != "eager" and d.available().status == "executes"]
+# Quantized variants are inexact by design: tests/test_candle.py checks them against float32 with
+# a measured bound; the exact tests that take EXECUTING leave them out.
+QUANTIZED = {"candle-q8_0", "candle-q4k"}
+EXECUTING = [name for name, d in REGISTRY.items()
+             if name != "eager" and name not in QUANTIZED and d.available().status == "executes"]
 # Delegates whose claims are not yet exact: XnnpackPartitioner's constraints depend on context
 # (constant weights for conv, the softmax dim, ...), so some claimed nodes fall back to eager at
 # compile or run time. For them fallbacks are allowed (counted, and results still checked); for the
