@@ -1,8 +1,8 @@
 """Model workloads: eager vs torch.compile vs torchnative.accelerate per delegate vs ONNX Runtime
 standalone (the whole model exported), in one run, engines interleaved with idle gaps.
 
-    python benchmarks/models.py [--workloads bert,vit,resnet,gpt2-prefill[,gpt2-decode]] [--runs 20]
-                                [--delegates ort] [--no-compile]
+    python benchmarks/models.py [--workloads bert,vit,resnet,gpt2-prefill,gpt2-decode] [--runs 20]
+                                [--delegates default,ort,xnnpack] [--no-compile]
 
 Prints a table of median ms, speed-up over eager and first-call seconds; writes
 benchmarks/results/models.json.
@@ -58,9 +58,9 @@ def _ort_standalone(model, inputs):
     import onnxruntime as ort
 
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    if len(tensors) != len(inputs):
-        return None  # cache objects and flags do not export as plain inputs
-    program = torch.onnx.export(model, (), kwargs=tensors, dynamo=True, verbose=False)
+    if any(not isinstance(v, (torch.Tensor, bool, int, type(None))) for v in inputs.values()):
+        return None  # a cache object does not export as a plain input
+    program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)  # flags become constants
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.log_severity_level = 3
@@ -69,30 +69,42 @@ def _ort_standalone(model, inputs):
     return lambda: session.run(None, feed)
 
 
+def _first_call(row: dict, engines: dict, name: str, make) -> None:
+    """Build engine `name` and time its first call; a failure is recorded in the row, not fatal."""
+    try:
+        run = None
+
+        def first():
+            nonlocal run
+            run = make()
+            if run is not None:
+                run()
+
+        t = elapsed(first)
+        if run is None:
+            row[f"{name}_error"] = "not applicable: the inputs hold a cache object"
+            return
+        row[f"{name}_first_s"] = t
+        engines[name] = run
+    except Exception as e:
+        row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
 def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dict:
     factory, inputs = _workload(name)
     row: dict = {"workload": name}
-    engines = {}
+    engines: dict = {}
     with torch.no_grad():
         eager_model = factory()
         engines["eager"] = lambda: eager_model(**inputs)
         if with_compile:
-            compiled = torch.compile(factory())
-            row["torch.compile_first_s"] = elapsed(lambda: compiled(**inputs))
-            engines["torch.compile"] = lambda: compiled(**inputs)
+            _first_call(row, engines, "torch.compile", lambda: (lambda m: lambda: m(**inputs))(torch.compile(factory())))
         for d in delegates:
-            accel = torchnative.accelerate(factory(), delegates=[d])
-            row[f"accel[{d}]_first_s"] = elapsed(lambda: accel(**inputs))
-            engines[f"accel[{d}]"] = (lambda a: lambda: a(**inputs))(accel)
-        try:
-            t = elapsed(lambda: engines.__setitem__("ort_standalone", _ort_standalone(factory(), inputs)))
-            if engines["ort_standalone"] is None:
-                del engines["ort_standalone"]
-            else:
-                row["ort_standalone_first_s"] = t
-        except Exception as e:  # an export failure is a result, not a crash of the benchmark
-            engines.pop("ort_standalone", None)
-            row["ort_standalone_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            label = "accel[default]" if d == "default" else f"accel[{d}]"
+            chosen = None if d == "default" else [d]
+            _first_call(row, engines, label,
+                        lambda: (lambda m: lambda: m(**inputs))(torchnative.accelerate(factory(), delegates=chosen)))
+        _first_call(row, engines, "ort_standalone", lambda: _ort_standalone(factory(), inputs))
         med = interleave(engines, runs)
     for k, v in med.items():
         row[f"{k}_ms"] = v * 1e3
@@ -102,9 +114,9 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="bert,vit,resnet,gpt2-prefill")
+    p.add_argument("--workloads", default="bert,vit,resnet,gpt2-prefill,gpt2-decode")
     p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--delegates", default="ort")
+    p.add_argument("--delegates", default="default,ort,xnnpack", help="'default' is accelerate's default set")
     p.add_argument("--no-compile", action="store_true")
     a = p.parse_args()
     delegates = [d for d in a.delegates.split(",") if d]
@@ -116,6 +128,10 @@ def main() -> None:
             rows.append({"workload": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         print(f"  done {name}: {rows[-1].get('error', 'ok')}", flush=True)
     engines = ["eager", "torch.compile", *(f"accel[{d}]" for d in delegates), "ort_standalone"]
+    for r in rows:
+        for e in engines:
+            if f"{e}_error" in r:
+                print(f"  {r['workload']} / {e}: {r[f'{e}_error']}")
     cols = [("workload", "{}")] + [(f"{e}_ms", "{:.1f}") for e in engines] + [(f"{e}_x", "{:.2f}x") for e in engines[1:]] \
         + [(f"{e}_first_s", "{:.1f}") for e in engines[1:]]
     print(table(rows, cols))
@@ -125,6 +141,11 @@ def main() -> None:
         if xs:
             geo[e] = math.exp(sum(map(math.log, xs)) / len(xs))
     print("geomean speed-up over eager: " + ", ".join(f"{e} {g:.2f}x" for e, g in geo.items()))
+    vs = {r["workload"]: r["accel[default]_ms"] and r["ort_standalone_ms"] / r["accel[default]_ms"]
+          for r in rows if "accel[default]_ms" in r and "ort_standalone_ms" in r}
+    if vs:
+        print("accel[default] vs ort_standalone (>1 is faster): "
+              + ", ".join(f"{w} {x:.2f}x" for w, x in vs.items()))
     print(f"wrote {write('models', {'torch': torch.__version__, 'rows': rows, 'geomean': geo})}")
 
 

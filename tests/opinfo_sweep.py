@@ -64,7 +64,7 @@ def run_sample(op, sample, delegates=None) -> tuple[str, str]:
     torchnative.reset_stats()
     try:
         torch.manual_seed(0)
-        with torchnative.capture(delegates):
+        with torchnative.capture(delegates, compile_after=1):
             got = op.op(*cargs, **ckw)
         got = _plain(got)
     except Exception as e:

@@ -62,9 +62,8 @@ def test_models_match_eager_on_delegate(delegate, name):
     inputs = models.example_inputs(name, model, batch=2)
     with torch.no_grad():
         ref = model(**inputs)
-        torchnative.accelerate(model, delegates=[delegate])
         torchnative.reset_stats()
-        with torchnative.capture([delegate]):
+        with torchnative.capture([delegate], compile_after=1):
             e = torchnative.explain(model, **inputs)
     key = "logits" if "logits" in ref else "last_hidden_state"
     assert_same(e.output[key], ref[key], rtol=1e-4, atol=1e-5)
@@ -105,11 +104,32 @@ def test_compile_failure_falls_back_to_eager_and_is_counted(monkeypatch):
     monkeypatch.setitem(REGISTRY, "broken", _Broken())
     x = torch.randn(4, 4)
     torchnative.reset_stats()
-    with torchnative.capture(["broken"]):
+    with torchnative.capture(["broken"], compile_after=1):
         e = torchnative.explain(lambda: (x @ x).relu())
     assert torch.equal(e.output, (x @ x).relu())
     assert torchnative.stats()["fallbacks"] == {"broken: compile failed for 2 op(s): RuntimeError: toolchain exploded": 1}
     assert e.partitions == [(("eager", 2),)]
+
+
+@pytest.mark.skipif("ort" not in EXECUTING, reason="onnxruntime is not installed")
+def test_a_graph_is_compiled_once_it_repeats():
+    from torchnative.runtime.program import clear_caches
+
+    clear_caches()  # another test may have run this graph already
+    x = torch.randn(8)
+    placed = []
+    stop = torchnative.events.listen(lambda e: placed.append(e.partitions) if hasattr(e, "partitions") else None)
+    try:
+        torchnative.reset_stats()
+        for _ in range(3):
+            with torchnative.capture(["ort"]):  # compile_after=2: eager first, then ORT
+                y = (x.sin() * 2).sum()
+    finally:
+        stop()
+    assert torch.allclose(y, (x.sin() * 2).sum())
+    assert placed == [(("eager", 3),), (("ort", 3),), (("ort", 3),)]
+    s = torchnative.stats()
+    assert s["graphs_built"] == 2 and s["cache_hits"] == 1
 
 
 def test_unknown_delegate_is_a_clear_error():
@@ -124,11 +144,11 @@ def test_weights_changed_in_place_are_seen(delegate):
     compiled program stale."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     x = torch.randn(3, 8)
-    torchnative.accelerate(model, delegates=[delegate])
+    torchnative.accelerate(model, delegates=[delegate], compile_after=1)
     with torch.no_grad():
         first = model(x)
         assert torch.allclose(first, torchnative.deaccelerate(model)(x), atol=1e-6)
-        torchnative.accelerate(model, delegates=[delegate])
+        torchnative.accelerate(model, delegates=[delegate], compile_after=1)
         model[0].weight.mul_(2)
         second = model(x)
         ref = torchnative.deaccelerate(model)(x)

@@ -71,7 +71,7 @@ def test_same_code_reuses_program():
     x = torch.randn(8)
     torchnative.reset_stats()
     for _ in range(3):
-        with torchnative.capture():
+        with torchnative.capture(["eager"]):
             y = (x.sin() * 2).sum()
     s = torchnative.stats()
     assert s["graphs_built"] == 1 and s["cache_hits"] == 2

@@ -29,7 +29,7 @@ _ORIGINAL = "_torchnative_original_forward"
 
 
 @contextmanager
-def capture(delegates: Sequence[str] | None = None) -> Iterator[None]:
+def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2) -> Iterator[None]:
     """Capture every aten op run inside the block.
 
     Ops are recorded lazily and run as compiled graphs when Python needs a value (`.item()`,
@@ -38,9 +38,13 @@ def capture(delegates: Sequence[str] | None = None) -> Iterator[None]:
 
     Args:
         delegates: preference order of delegates for the captured graphs, e.g. `["ort"]`
-            (default: `["eager"]`); eager always runs what no other delegate takes.
+            (default: `torchnative.delegates.DEFAULT`, those of it that execute here); eager
+            always runs what no other delegate takes.
+        compile_after: a graph runs on eager until it has run this many times; then it is
+            compiled for the delegates. Compiling costs seconds, and a graph seen once (a new
+            shape at every decode step) never repays it; 1 compiles every graph at once.
     """
-    with session(delegates):
+    with session(delegates, compile_after=compile_after):
         yield
 
 
@@ -59,7 +63,7 @@ def _real_outputs(out: Any) -> Any:
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
-               replay: bool = True) -> torch.nn.Module:
+               replay: bool = True, compile_after: int = 2) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
@@ -68,7 +72,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     changed weight, records the call again. Python-only side effects of `forward` (a call counter
     on the module) do not happen on a replayed call: pass `replay=False` if `forward` has them.
 
-    `delegates` is the preference order of delegates (see `capture`). Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
+    `delegates` and `compile_after` are as in `capture`. Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
     """
     if _ORIGINAL in model.__dict__:
         return model
@@ -81,14 +85,14 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = guard_key(model, leaves, spec) if replay and current_handler() is None else None
         if key is None:
-            with session(delegates, buffers):
+            with session(delegates, buffers, compile_after=compile_after):
                 out = original(*args, **kwargs)
             return _real_outputs(out)  # after the session: its end runs the pending graph
         replayed, out = replayer.replay(key, leaves)
         if replayed:
             return out
         tracer = Tracer()
-        with session(delegates, buffers, tracer):
+        with session(delegates, buffers, tracer, compile_after):
             out = original(*args, **kwargs)
         out = _real_outputs(out)
         replayer.learn(key, tracer, leaves, out)

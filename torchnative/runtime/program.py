@@ -183,12 +183,19 @@ class Program:
 
 
 _programs: dict = {}
+_runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
 
 
 def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
-                inputs: list[torch.Tensor]) -> tuple[Program, bool]:
+                inputs: list[torch.Tensor], compile_after: int = 1) -> tuple[Program, bool]:
     """The compiled program for this graph key and these guards (baked params' identity and
-    version), building it on a miss."""
+    version), building it on a miss. Until the graph has run `compile_after` times it runs on
+    eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
+    every decode step) would never repay it."""
+    if compile_after > 1 and delegates != (eager,):
+        seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
+        if seen < compile_after:
+            delegates = (eager,)
     key = (node, sig, delegates)
     candidates = _programs.get(key)
     if candidates is None:
@@ -210,5 +217,6 @@ def clear_caches() -> None:
     from torchnative.capture import meta, trie
 
     _programs.clear()
+    _runs.clear()
     trie.ROOT.children.clear()
     meta._cache.clear()
