@@ -1,6 +1,8 @@
 """Delegates: one module per target, each with one `delegate` (see base.Delegate)."""
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Sequence
 
 from torchnative.delegates import candle, eager, ort, xnnpack
@@ -8,12 +10,19 @@ from torchnative.delegates.base import Artifact, Availability, Delegate, Support
 
 REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, candle.delegate, candle.q8_0,
                                                      candle.q4k, eager.delegate)}
-DEFAULT: tuple[str, ...] = ("eager",)
+# The fastest correct order measured here (benchmarks/models.py): ONNX Runtime led on every
+# workload; XNNPACK trailed it and takes fewer ops; candle is for quantized weights, by request.
+DEFAULT: tuple[str, ...] = ("ort",)
 
 
 def resolve(names: Sequence[str] | None) -> tuple[Delegate, ...]:
-    """Delegates in preference order; eager is always last, for what no other takes."""
-    names = DEFAULT if names is None else tuple(names)
+    """Delegates in preference order; eager is always last, for what no other takes. None means
+    DEFAULT, those of it that execute here (a missing one is warned about once)."""
+    return _resolve(_default() if names is None else tuple(names))
+
+
+@functools.cache  # availability does not change while the process runs; a session starts per call
+def _resolve(names: tuple[str, ...]) -> tuple[Delegate, ...]:
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown delegate(s) {unknown}; known: {sorted(REGISTRY)}")
@@ -28,6 +37,19 @@ def resolve(names: Sequence[str] | None) -> tuple[Delegate, ...]:
     if "eager" not in names:
         chosen.append(REGISTRY["eager"])
     return tuple(chosen)
+
+
+@functools.cache
+def _default() -> tuple[str, ...]:
+    usable = []
+    for n in DEFAULT:
+        status = REGISTRY[n].available()
+        if status.status == "executes":
+            usable.append(n)
+        else:
+            warnings.warn(f"torchnative: default delegate {n!r} cannot execute here ({status.reason}); "
+                          f"its graphs run on eager. Install: {status.install_hint}", stacklevel=4)
+    return tuple(usable)
 
 
 __all__ = ["Artifact", "Availability", "Delegate", "Support", "REGISTRY", "DEFAULT", "resolve"]
