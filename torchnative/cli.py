@@ -19,10 +19,11 @@ def _demo(args: argparse.Namespace) -> int:
     delegates = args.delegates.split(",") if args.delegates else None
     with torch.no_grad():
         reference = model(**inputs)
-        with torchnative.capture(delegates):
+        with torchnative.capture(delegates, compile_after=1):  # placed as a repeated call would be
             explanation = torchnative.explain(model, **inputs)
         torchnative.accelerate(model, delegates=delegates)
-        model(**inputs)  # first call compiles
+        for _ in range(3):  # eager, then compiled, then the same graphs again: replayable
+            model(**inputs)
         torchnative.reset_stats()
         t = time.perf_counter()
         out = model(**inputs)
@@ -31,7 +32,11 @@ def _demo(args: argparse.Namespace) -> int:
     key = "logits" if "logits" in reference else "last_hidden_state"
     diff = (out[key] - reference[key]).abs().max().item()
     same = torch.allclose(out[key], reference[key], rtol=1e-5, atol=1e-5)
-    print(f"accelerated forward ({warm * 1e3:.1f} ms, program cache: {torchnative.stats()['cache_hits']} hit(s)): "
+    s = torchnative.stats()
+    why = "; ".join(s["replay_ineligible"])
+    how = "replayed" if s["replays"] else f"recorded{f' (not replayable: {why})' if why else ''}, " \
+        f"program cache: {s['cache_hits']} hit(s)"
+    print(f"accelerated forward ({warm * 1e3:.1f} ms, {how}): "
           f"{key} {'matches' if same else 'DIFFERS FROM'} eager (max abs diff {diff:.2e})")
     return 0 if same else 1
 
