@@ -14,7 +14,7 @@ import operator
 import os
 import struct
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -32,11 +32,12 @@ _HINT = f"pip install candle-nn=={_VERSION}"
 aten = torch.ops.aten
 
 # ---- moving tensors between torch and candle -----------------------------------------------------
-# The bindings convert element by element through Python objects: candle.Tensor(ndarray) takes
-# 73-118 ms and Tensor.to_torch() 190 ms per 4 MiB. candle reads and writes safetensors files, so
-# a memfd (an in-memory file candle opens by its /proc path) carries the big tensors: per call
-# ~50 µs, plus ~0.7 ms/MiB in and ~0.6 ms/MiB out (4 MiB: 3.2 ms in, 2.5 ms out). Python lists
-# win for small tensors: 768 floats take 31 µs in and 40 µs out (memfd: 52 and 52 µs).
+# The bindings convert element by element through Python objects: per 4 MiB, candle.Tensor(ndarray)
+# takes 73-79 ms, candle.Tensor(list) 52-63 ms, Tensor.to_torch() 190-300 ms. candle reads and
+# writes safetensors files, so a memfd (an in-memory file candle opens by its /proc path) carries
+# the big tensors: 4 MiB in 4-10 ms, out 3-5 ms (a safetensors.torch file in /dev/shm: 6-7 ms in,
+# 2.5-4.6 ms out), and at least ~55 µs a call. Python lists win below ~1000 elements: 768 floats take
+# 31-52 µs in and 40-72 µs out (memfd 52-64 and 52-77 µs). Measured on this 2-core VM, noisy.
 _LIST_IN, _LIST_OUT = 1024, 512  # elements: at most this many move as a Python list
 
 _DTYPES = {torch.float32: "f32", torch.int64: "i64", torch.bool: "u8"}  # bool is candle's u8 mask
@@ -120,15 +121,15 @@ def _to_candle(tensors: list[torch.Tensor]) -> list:
     return out
 
 
-def _to_torch(values: list, metas: list[torch.Tensor]) -> list[torch.Tensor]:
+def _to_torch(values: list, kinds: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     out: list = []
     big = {}
-    for i, (c, m) in enumerate(zip(values, metas)):
-        if m.numel() <= _LIST_OUT:
-            flat = array.array(_ARRAY[m.dtype], c.flatten_all().values())
-            out.append(torch.frombuffer(flat, dtype=m.dtype).reshape(m.shape))
+    for i, (c, (shape, dtype)) in enumerate(zip(values, kinds)):
+        if math.prod(shape) <= _LIST_OUT:
+            flat = array.array(_ARRAY[dtype], c.flatten_all().values())
+            out.append(torch.frombuffer(flat, dtype=dtype).reshape(shape))
         else:
-            out.append(torch.empty(m.shape, dtype=m.dtype))
+            out.append(torch.empty(shape, dtype=dtype))
             big[str(i)] = c
     if big:
         f = _memfile()
@@ -140,7 +141,8 @@ def _to_torch(values: list, metas: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-# ---- lowering: one function per aten op, called with candle values in place of fx nodes -----------
+# ---- lowering: one function per aten op, called with its output's _Out and candle values in place
+# of fx nodes ----------------------------------------------------------------------------------------
 
 _LOWER: dict[Any, Callable] = {}
 _CHECKS: dict[Any, Callable[[fx.Node], str | None]] = {}
@@ -156,12 +158,17 @@ def _lower(*ops, check: Callable[[fx.Node], str | None] | None = None):
     return register
 
 
-def _shape(n: fx.Node) -> tuple[int, ...]:
-    return tuple(n.meta["val"].shape)
+class _Out(NamedTuple):
+    """What a lowering knows of its node's (first) output, read from the meta once, at load:
+    FakeTensor attributes cost microseconds a read."""
+    shape: tuple[int, ...]
+    dtype: str | None  # candle's name for it
 
 
-def _dtype(n: fx.Node) -> str:
-    return _DTYPES[n.meta["val"].dtype]
+def _out(n: fx.Node) -> _Out:
+    v = n.meta["val"]
+    v = v[0] if isinstance(v, (tuple, list)) else v
+    return _Out(tuple(v.shape), _DTYPES.get(v.dtype))
 
 
 @functools.cache
@@ -170,11 +177,11 @@ def _scalar(value: float, dtype: str):
     return candle.Tensor(int(value) if dtype == "i64" else float(value)).to_dtype(dtype)
 
 
-def _as(n: fx.Node, v):
-    """v (a candle tensor or a Python number) as an operand of n's output dtype."""
+def _as(o: _Out, v):
+    """v (a candle tensor or a Python number) as an operand of the output's dtype."""
     if isinstance(v, (bool, int, float)):
-        return _scalar(v, _dtype(n))
-    return v if str(v.dtype).lower() == _dtype(n) else v.to_dtype(_dtype(n))
+        return _scalar(v, o.dtype)
+    return v if str(v.dtype).lower() == o.dtype else v.to_dtype(o.dtype)
 
 
 def _dims(dims, rank: int) -> list[int]:
@@ -200,27 +207,27 @@ def _no_alpha(n: fx.Node) -> str | None:
 
 
 @_lower(aten.add.Tensor, aten.add.Scalar, check=_no_alpha)
-def _add(n, x, y, alpha=1):
-    return _as(n, x) + _as(n, y)
+def _add(o, x, y, alpha=1):
+    return _as(o, x) + _as(o, y)
 
 
 @_lower(aten.sub.Tensor, aten.sub.Scalar, check=_no_alpha)
-def _sub(n, x, y, alpha=1):
-    return _as(n, x) - _as(n, y)
+def _sub(o, x, y, alpha=1):
+    return _as(o, x) - _as(o, y)
 
 
 @_lower(aten.mul.Tensor, aten.mul.Scalar, check=_numeric_out)
-def _mul(n, x, y):
-    return _as(n, x) * _as(n, y)
+def _mul(o, x, y):
+    return _as(o, x) * _as(o, y)
 
 
 @_lower(aten.div.Tensor, aten.div.Scalar, check=_float_out)
-def _div(n, x, y):
-    return _as(n, x) / _as(n, y)
+def _div(o, x, y):
+    return _as(o, x) / _as(o, y)
 
 
 def _unary(op, fn: Callable) -> None:
-    _lower(op, check=_float_out)(lambda n, x: fn(_as(n, x)))
+    _lower(op, check=_float_out)(lambda o, x: fn(_as(o, x)))
 
 
 for _op, _fn in {aten.neg.default: lambda x: x * _scalar(-1.0, "f32"), aten.exp.default: lambda x: x.exp(),
@@ -240,7 +247,7 @@ def _gelu_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.gelu.default, check=_gelu_check)
-def _gelu(n, x, approximate="none"):
+def _gelu(o, x, approximate="none"):
     return candle.functional.gelu(x)  # candle's gelu_erf
 
 
@@ -251,7 +258,7 @@ def _pow_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.pow.Tensor_Scalar, check=_pow_check)
-def _pow(n, x, e):
+def _pow(o, x, e):
     # eager's special cases (aten/src/ATen/native/cpu/PowKernel.cpp), so the roundings agree
     special = {2: lambda: x * x, 3: lambda: x * x * x, 0.5: lambda: x.sqrt(), -0.5: lambda: x.sqrt().recip(),
                -1: lambda: x.recip(), -2: lambda: (x * x).recip()}
@@ -266,10 +273,10 @@ def _reduce_check(n: fx.Node) -> str | None:
 
 def _reduce(fn: Callable) -> Callable:
     """sum/mean/amax over `dims` (keepdim as eager), from candle's one-dim keepdim reductions."""
-    def impl(n, x, dims=None, keepdim=False, dtype=None):
+    def impl(o, x, dims=None, keepdim=False, dtype=None):
         ds = _dims(dims, len(x.shape))
         y = fn(x, ds)
-        return y if keepdim else y.reshape(_shape(n))
+        return y if keepdim else y.reshape(o.shape)
     return impl
 
 
@@ -288,8 +295,8 @@ def _amax(x, ds):
 _lower(aten.sum.dim_IntList, check=_reduce_check)(_reduce(_sum))
 _lower(aten.mean.dim, check=_reduce_check)(_reduce(_mean))
 _lower(aten.amax.default, check=_float_out)(_reduce(_amax))
-_lower(aten.sum.default, check=_reduce_check)(lambda n, x, dtype=None: x.sum_all())
-_lower(aten.mean.default, check=_reduce_check)(lambda n, x, dtype=None: _mean(x, _dims(None, len(x.shape))).reshape(()))
+_lower(aten.sum.default, check=_reduce_check)(lambda o, x, dtype=None: x.sum_all())
+_lower(aten.mean.default, check=_reduce_check)(lambda o, x, dtype=None: _mean(x, _dims(None, len(x.shape))).reshape(()))
 
 
 def _scalar_input(n: fx.Node) -> str | None:
@@ -301,19 +308,19 @@ def _softmax_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten._softmax.default, check=_softmax_check)
-def _softmax(n, x, dim, half_to_float):
+def _softmax(o, x, dim, half_to_float):
     return candle.functional.softmax(x, dim)
 
 
 @_lower(aten._log_softmax.default, check=_softmax_check)
-def _log_softmax(n, x, dim, half_to_float):
+def _log_softmax(o, x, dim, half_to_float):
     d = dim % len(x.shape)
     shifted = x - x.max_keepdim(d)
     return shifted - shifted.exp().sum_keepdim(d).log()
 
 
 @_lower(aten.native_layer_norm.default, check=_float_out)
-def _layer_norm(n, x, normalized_shape, weight, bias, eps):
+def _layer_norm(o, x, normalized_shape, weight, bias, eps):
     rank = len(x.shape)
     dims = list(range(rank - len(normalized_shape), rank))
     count = _scalar(math.prod(normalized_shape), "f32")
@@ -336,7 +343,7 @@ def _batch_norm_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten._native_batch_norm_legit_no_training.default, check=_batch_norm_check)
-def _batch_norm(n, x, weight, bias, mean, var, momentum, eps):
+def _batch_norm(o, x, weight, bias, mean, var, momentum, eps):
     per_channel = (-1,) + (1,) * (len(x.shape) - 2)
 
     def channel(v):
@@ -358,7 +365,7 @@ def _max_pool_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.max_pool2d_with_indices.default, check=_max_pool_check)
-def _max_pool(n, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+def _max_pool(o, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
     return candle.functional.max_pool2d(x, kernel[0], stride=(stride or kernel)[0]), None
 
 
@@ -379,8 +386,8 @@ def _matmul(x, w):
     return _dense(x).matmul(_dense(w))
 
 
-_lower(aten.mm.default, aten.bmm.default, check=_matmul_check)(lambda n, x, w: _matmul(x, w))
-_lower(aten.addmm.default, check=_matmul_check)(lambda n, bias, x, w, beta=1, alpha=1: _matmul(x, w) + bias)
+_lower(aten.mm.default, aten.bmm.default, check=_matmul_check)(lambda o, x, w: _matmul(x, w))
+_lower(aten.addmm.default, check=_matmul_check)(lambda o, bias, x, w, beta=1, alpha=1: _matmul(x, w) + bias)
 _MAT2 = {aten.mm.default: 1, aten.bmm.default: 1, aten.addmm.default: 2}  # which argument is the weight
 
 
@@ -397,7 +404,7 @@ def _sdpa_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten._scaled_dot_product_flash_attention_for_cpu.default, check=_sdpa_check)
-def _sdpa(n, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+def _sdpa(o, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     b, h, length, e = q.shape
     hk, s = k.shape[1], k.shape[2]
     if hk != h:  # grouped-query attention: each k/v head serves h // hk query heads
@@ -422,13 +429,13 @@ def _causal(length: int, s: int):
 
 # shape-only ops: the output shape is known statically, from the node's meta
 _lower(aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-       aten.squeeze.default)(lambda n, x, *_: x.reshape(_shape(n)))
-_lower(aten.expand.default)(lambda n, x, *_, **__: x.broadcast_as(_shape(n)))
-_lower(aten.alias.default, aten.clone.default)(lambda n, x, **_: x)
+       aten.squeeze.default)(lambda o, x, *_: x.reshape(o.shape))
+_lower(aten.expand.default)(lambda o, x, *_, **__: x.broadcast_as(o.shape))
+_lower(aten.alias.default, aten.clone.default)(lambda o, x, **_: x)
 
 
 @_lower(aten.permute.default)
-def _permute(n, x, dims):
+def _permute(o, x, dims):
     order = list(range(len(x.shape)))
     for i, d in enumerate(d % len(order) for d in dims):  # candle has transpose, not permute
         j = order.index(d)
@@ -442,14 +449,14 @@ def _slice_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.slice.Tensor, check=_slice_check)
-def _slice(n, x, dim=0, start=None, end=None, step=1):
+def _slice(o, x, dim=0, start=None, end=None, step=1):
     d = dim % len(x.shape)
     start, _, _ = slice(start, end).indices(x.shape[d])
-    return x.narrow(d, start, _shape(n)[d])
+    return x.narrow(d, start, o.shape[d])
 
 
 @_lower(aten.select.int)
-def _select(n, x, dim, index):
+def _select(o, x, dim, index):
     d = dim % len(x.shape)
     return x.narrow(d, index % x.shape[d], 1).squeeze(d)
 
@@ -461,8 +468,8 @@ def _cat_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.cat.default, check=_cat_check)
-def _cat(n, tensors, dim=0):
-    return candle.cat(tensors, dim % len(_shape(n)))
+def _cat(o, tensors, dim=0):
+    return candle.cat(tensors, dim % len(o.shape))
 
 
 def _cast_check(n: fx.Node) -> str | None:
@@ -475,9 +482,9 @@ def _cast_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten._to_copy.default, check=_cast_check)
-def _to_copy(n, x, **_):
+def _to_copy(o, x, **_):
     # candle truncates to u8; eager's bool is "not zero"
-    return x != 0 if _dtype(n) == "u8" and str(x.dtype) != "U8" else x.to_dtype(_dtype(n))
+    return x != 0 if o.dtype == "u8" and str(x.dtype) != "U8" else x.to_dtype(o.dtype)
 
 
 def _compare_check(n: fx.Node) -> str | None:
@@ -491,15 +498,15 @@ def _compare_check(n: fx.Node) -> str | None:
 
 for _name, _op in {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
                    "ge": operator.ge}.items():
-    _lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar, check=_compare_check)(lambda n, x, y, op=_op: op(x, y))
+    _lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar, check=_compare_check)(lambda o, x, y, op=_op: op(x, y))
 _lower(aten.logical_not.default, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool
-       else "logical_not of a non-boolean tensor")(lambda n, x: x == 0)
+       else "logical_not of a non-boolean tensor")(lambda o, x: x == 0)
 
 
 @_lower(aten.where.self, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool else "where with a non-boolean condition")
-def _where(n, cond, x, y):
-    shape = _shape(n)
-    x, y = (_as(n, t).broadcast_as(shape) for t in (x, y))
+def _where(o, cond, x, y):
+    shape = o.shape
+    x, y = (_as(o, t).broadcast_as(shape) for t in (x, y))
     return cond.broadcast_as(shape).where_cond(x, y)  # candle wants one shape for all three
 
 
@@ -508,12 +515,12 @@ def _index_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.embedding.default, check=lambda n: None if n.args[1].meta["val"].dtype == torch.int64 else "indices that are not int64")
-def _embedding(n, weight, indices, *_):
-    return weight.index_select(indices.flatten_all(), 0).reshape(_shape(n))
+def _embedding(o, weight, indices, *_):
+    return weight.index_select(indices.flatten_all(), 0).reshape(o.shape)
 
 
 @_lower(aten.index_select.default, check=_index_check)
-def _index_select(n, x, dim, index):
+def _index_select(o, x, dim, index):
     return x.index_select(index.flatten_all(), dim % len(x.shape))
 
 
@@ -526,7 +533,7 @@ def _gather_check(n: fx.Node) -> str | None:
 
 
 @_lower(aten.gather.default, check=_gather_check)
-def _gather(n, x, dim, index, sparse_grad=False):
+def _gather(o, x, dim, index, sparse_grad=False):
     return _dense(x).gather(_dense(index), dim % len(x.shape))
 
 
@@ -665,15 +672,15 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
             slots[n] = len(env0)
             env0.append(constants[n.name])
         elif n.op == "call_function" and n.name not in folded:
-            fn = _LOWER[n.target] if n.target is not operator.getitem else (lambda n, x, i: x[i])
+            fn = _LOWER[n.target] if n.target is not operator.getitem else (lambda o, x, i: x[i])
             args = [_fetcher(a, slots) for a in n.args]
             kwargs = {k: _fetcher(a, slots) for k, a in n.kwargs.items()}
             slots[n] = len(env0)
             env0.append(None)
-            steps.append((n, fn, args, kwargs, slots[n]))
+            steps.append((n, functools.partial(fn, _out(n)), args, kwargs, slots[n]))
     out_nodes = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]
     outputs = [slots[n] for n in out_nodes]
-    metas = [n.meta["val"] for n in out_nodes]
+    kinds = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in out_nodes]
 
     def runner(values: list[torch.Tensor]) -> list[torch.Tensor]:
         env = list(env0)
@@ -682,9 +689,9 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
             for i, c in zip(inputs, _to_candle(values)):
                 env[i] = c
             for node, fn, args, kwargs, slot in steps:
-                env[slot] = fn(node, *[a(env) for a in args], **{k: a(env) for k, a in kwargs.items()})
+                env[slot] = fn(*[a(env) for a in args], **{k: a(env) for k, a in kwargs.items()})
             node = None
-            return _to_torch([env[i] for i in outputs], metas)
+            return _to_torch([env[i] for i in outputs], kinds)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # candle panics surface as pyo3's PanicException, a BaseException
