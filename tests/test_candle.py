@@ -1,10 +1,12 @@
 """The candle delegate beyond the shared delegate tests: its quantized variants (inexact by design,
-checked against float32 with measured bounds) and its integer arithmetic."""
+checked against float32 with measured bounds), its integer arithmetic, candle panics."""
 import pytest
 import torch
+from torch.nn.functional import linear
 
 import torchnative
 from torchnative.delegates import REGISTRY
+from torchnative.delegates import candle as candle_delegate
 
 pytestmark = pytest.mark.skipif(REGISTRY["candle"].available().status != "executes",
                                 reason=REGISTRY["candle"].available().reason)
@@ -34,6 +36,19 @@ def test_quantized_candle_is_close_to_float32(delegate, bound):
     assert 1e-4 < ((e.output - ref).norm() / ref.norm()).item() < bound
 
 
+def _graph(f, args, roles):
+    """f as a Core ATen CapturedGraph whose `param` inputs are baked in."""
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchnative.ir import CapturedGraph
+
+    gm = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    params = {n: a for n, a, r in zip(names, args, roles) if r == "param"}
+    return CapturedGraph(gm, roles, ["output"], params), names
+
+
 @pytest.mark.parametrize("delegate,quantized,bound", [
     ("candle", {}, 1e-6),
     ("candle-q8_0", {"w1_1": "q8_0", "w2_1": "q8_0", "w3_1": "q8_0"}, 0.03),
@@ -41,26 +56,32 @@ def test_quantized_candle_is_close_to_float32(delegate, bound):
 ])
 def test_only_param_matmul_weights_are_quantized(delegate, quantized, bound):
     """Biases, scales and matmuls against runtime tensors (an input, a state) stay float32."""
-    from torch._decomp import core_aten_decompositions
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.nn.functional import linear
-
-    from torchnative.ir import CapturedGraph
-
     def f(x, y, w1, b1, scale, w2, w3):
         return (linear(linear(linear(x, w1, b1) * scale, w2), w3) + x @ y,)
 
     args = [torch.randn(4, 512), torch.randn(512, 8), torch.randn(256, 512), torch.randn(256), torch.randn(256),
             torch.randn(96, 256), torch.randn(8, 96)]
-    gm = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    graph = CapturedGraph(gm, ["input", "state"] + ["param"] * 5, ["output"], dict(zip(names[2:], args[2:])))
+    graph, names = _graph(f, args, ["input", "state"] + ["param"] * 5)
     d = REGISTRY[delegate]
     artifact = d.compile(graph)
     assert artifact.meta["quantized"] == quantized
     assert set(artifact.meta["fp32_weights"]) == set(names[2:]) - set(quantized)
     (out,), (ref,) = d.load(artifact)(args[:2]), f(*args)
     assert ((out - ref).norm() / ref.norm()).item() < bound
+
+
+def test_a_candle_panic_is_an_exception_naming_the_op():
+    """candle panics raise pyo3's PanicException, a BaseException that `except Exception` (the
+    runtime's fallback to eager) misses. q8_1's quantized matmul panics ("no vec-dot"); GGUF files
+    cannot hold q8_1, so the runner is built from the weight directly."""
+    w = torch.randn(8, 64)
+    graph, _ = _graph(lambda x, w: (linear(x, w).relu(),), [torch.randn(2, 64), w], ["input", "param"])
+    folded, _ = candle_delegate._fold(graph)
+    weight = next(n for n in folded if n.op == "call_function")  # w transposed, as mm takes it
+    q8_1 = candle_delegate._to_candle([w])[0].quantize("q8_1")
+    runner = candle_delegate._interpreter(graph, {n.name for n in folded}, {weight.name: q8_1}, "candle-q8_1")
+    with pytest.raises(RuntimeError, match=r"^candle-q8_1: aten.mm.default \(mm\) failed: PanicException: .*Q8_1"):
+        runner([torch.randn(2, 64)])
 
 
 def test_integer_arithmetic_and_casts_match_eager():

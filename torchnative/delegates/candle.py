@@ -569,10 +569,11 @@ def _fold(graph: CapturedGraph) -> tuple[dict[fx.Node, Any], dict[fx.Node, str]]
     origin: dict[fx.Node, str] = {}
     for n in graph.gm.graph.nodes:
         if n.op == "placeholder" and n.name in graph.constants:
-            values[n], origin[n] = graph.constants[n.name], n.name
+            values[n], origin[n] = graph.constants[n.name].detach(), n.name
         elif n.op == "call_function" and all(u in values for u in n.all_input_nodes):
             args, kwargs = fx.map_arg((n.args, n.kwargs), values.__getitem__)
-            values[n] = n.target(*args, **kwargs)
+            with torch.no_grad():  # compile runs on its own thread, where grad mode is on
+                values[n] = n.target(*args, **kwargs)
             sources = [origin[u] for u in n.all_input_nodes if u in origin]
             if sources:
                 origin[n] = sources[0]
@@ -622,13 +623,29 @@ class Candle:
         return Support(False, f"{why} ({node.target})") if why else YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
+        try:
+            return self._compile(graph)
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a candle panic, which callers catching Exception would miss
+            raise _failure(self.name, "compile", e) from e
+
+    def load(self, artifact: Artifact) -> Runner:
+        try:
+            return self._load(artifact)
+        except (Exception, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            raise _failure(self.name, "load", e) from e
+
+    def _compile(self, graph: CapturedGraph) -> Artifact:
         values, origin = _fold(graph)
         kept = [n for n in values if any(u not in values for u in n.users)]
         fp32, quantize = [], {}
         for n in kept:
             w = _weight(n, values[n], self.quant if n in origin else None)
             if w is None:
-                fp32.append((n.name, values[n].detach().contiguous()))
+                fp32.append((n.name, values[n].contiguous()))
             else:
                 quantize[n.name] = w
         gguf = b""
@@ -645,7 +662,7 @@ class Candle:
                 "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in quantize})}
         return Artifact(self.name, tensors + gguf, meta)
 
-    def load(self, artifact: Artifact) -> Runner:
+    def _load(self, artifact: Artifact) -> Runner:
         meta, payload = artifact.meta, memoryview(artifact.payload)
         f = _memfile()
         f.write([payload[:meta["safetensors_bytes"]]])
@@ -695,11 +712,16 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # candle panics surface as pyo3's PanicException, a BaseException
-            where = f"{node.target} ({node.name})" if node is not None else "moving tensors in or out"
-            message = str(e).removeprefix("WithBacktrace { inner: ").split(", backtrace:")[0].split("\n")[0]
-            raise RuntimeError(f"{delegate}: {where} failed: {type(e).__name__}: {message}") from e
+            raise _failure(delegate, f"{node.target} ({node.name})" if node is not None else "moving tensors in or out", e) from e
 
     return runner
+
+
+def _failure(delegate: str, where: str, e: BaseException) -> RuntimeError:
+    """A candle error or panic as a RuntimeError naming the delegate and the op, without the Rust
+    backtrace that candle appends when RUST_BACKTRACE is set."""
+    message = str(e).removeprefix("WithBacktrace { inner: ").split(", backtrace:")[0].split("\n")[0]
+    return RuntimeError(f"{delegate}: {where} failed: {type(e).__name__}: {message}")
 
 
 def _fetcher(arg: Any, slots: dict) -> Callable[[list], Any]:
