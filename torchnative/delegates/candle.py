@@ -612,7 +612,9 @@ class Candle:
             return Support(False, why or f"no candle lowering for {node.target}")
         for v in _values(node):
             if v.dtype not in _DTYPES:
-                return Support(False, f"{v.dtype} tensors: the candle delegate takes float32, int64 indices, bool masks")
+                held = v.dtype in (torch.float16, torch.bfloat16, torch.float64, torch.uint8)
+                return Support(False, f"{v.dtype} tensors: " + ("candle holds them, but only float32 (with int64 and bool) is "
+                               "verified here" if held else "candle has no such dtype (u8 u32 i64 f16 bf16 f32 f64)"))
             if v.numel() == 0:
                 return Support(False, "empty tensors")
             if any(isinstance(s, torch.SymInt) for s in v.shape):
