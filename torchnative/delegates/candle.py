@@ -236,7 +236,7 @@ for _op, _fn in {aten.neg.default: lambda x: x * _scalar(-1.0, "f32"), aten.exp.
                  aten.abs.default: lambda x: x.abs(), aten.sin.default: lambda x: x.sin(), aten.cos.default: lambda x: x.cos(),
                  aten.sigmoid.default: lambda x: ((x * _scalar(-1.0, "f32")).exp() + _scalar(1.0, "f32")).recip(),
                  aten.tanh.default: lambda x: candle.functional.tanh(x),
-                 aten.relu.default: lambda x: candle.functional.relu(x), aten.silu.default: lambda x: candle.functional.silu(x)}.items():
+                 aten.relu.default: lambda x: candle.functional.relu(x)}.items():
     _unary(_op, _fn)
 
 
@@ -268,7 +268,7 @@ def _pow(o, x, e):
 def _reduce_check(n: fx.Node) -> str | None:
     if n.kwargs.get("dtype") is not None:
         return "reduction with a dtype argument"
-    return (_numeric_out if n.target in (aten.sum.dim_IntList, aten.sum.default) else _float_out)(n)
+    return (_numeric_out if n.target is aten.sum.dim_IntList else _float_out)(n)
 
 
 def _reduce(fn: Callable) -> Callable:
@@ -295,7 +295,6 @@ def _amax(x, ds):
 _lower(aten.sum.dim_IntList, check=_reduce_check)(_reduce(_sum))
 _lower(aten.mean.dim, check=_reduce_check)(_reduce(_mean))
 _lower(aten.amax.default, check=_float_out)(_reduce(_amax))
-_lower(aten.sum.default, check=_reduce_check)(lambda o, x, dtype=None: x.sum_all())
 _lower(aten.mean.default, check=_reduce_check)(lambda o, x, dtype=None: _mean(x, _dims(None, len(x.shape))).reshape(()))
 
 
@@ -376,7 +375,7 @@ def _matmul_check(n: fx.Node) -> str | None:
 
 
 def _dense(x):
-    """x laid out row-major: candle's matmul and gather refuse most other strides."""
+    """x laid out row-major: candle's matmul, gather and index_select refuse most other strides."""
     return x if x.is_contiguous() else x.contiguous()
 
 
@@ -428,8 +427,7 @@ def _causal(length: int, s: int):
 
 
 # shape-only ops: the output shape is known statically, from the node's meta
-_lower(aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-       aten.squeeze.default)(lambda o, x, *_: x.reshape(o.shape))
+_lower(aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims)(lambda o, x, *_: x.reshape(o.shape))
 _lower(aten.expand.default)(lambda o, x, *_, **__: x.broadcast_as(o.shape))
 _lower(aten.alias.default, aten.clone.default)(lambda o, x, **_: x)
 
@@ -521,7 +519,7 @@ def _embedding(o, weight, indices, *_):
 
 @_lower(aten.index_select.default, check=_index_check)
 def _index_select(o, x, dim, index):
-    return x.index_select(index.flatten_all(), dim % len(x.shape))
+    return _dense(x).index_select(index.flatten_all(), dim % len(x.shape))
 
 
 def _gather_check(n: fx.Node) -> str | None:
@@ -538,8 +536,7 @@ def _gather(o, x, dim, index, sparse_grad=False):
 
 
 # Made from arguments alone: compile computes them with torch, once (see _fold).
-_CONSTANT = frozenset({aten.full.default, aten.arange.start_step, aten.arange.default, aten.arange.start,
-                       aten.scalar_tensor.default, aten.zeros.default, aten.ones.default})
+_CONSTANT = frozenset({aten.full.default, aten.arange.start_step, aten.scalar_tensor.default})
 
 # why candle declines some ops by name
 _WRITES = ("index_put", "index_copy", "scatter")
@@ -700,6 +697,8 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
     out_nodes = next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]
     outputs = [slots[n] for n in out_nodes]
     kinds = [(tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in out_nodes]
+    expanded = {i: n.meta["val"].stride() for i, n in enumerate(out_nodes)
+                if any(st == 0 and size > 1 for st, size in zip(n.meta["val"].stride(), n.meta["val"].shape))}
 
     def runner(values: list[torch.Tensor]) -> list[torch.Tensor]:
         env = list(env0)
@@ -710,13 +709,26 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
             for node, fn, args, kwargs, slot in steps:
                 env[slot] = fn(*[a(env) for a in args], **{k: a(env) for k, a in kwargs.items()})
             node = None
-            return _to_torch([env[i] for i in outputs], kinds)
+            out = _to_torch([env[i] for i in outputs], kinds)
+            for i, stride in expanded.items():
+                out[i] = _expanded(out[i], stride)
+            return out
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # candle panics surface as pyo3's PanicException, a BaseException
             raise _failure(delegate, f"{node.target} ({node.name})" if node is not None else "moving tensors in or out", e) from e
 
     return runner
+
+
+def _expanded(dense: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """dense laid out as eager's expanded output (strides of 0). The runtime gives outputs eager's
+    strides by copying into torch.empty_strided, which torch refuses for overlapping layouts; the
+    values along a 0-stride dimension are all equal, so one slice of them is all there is to copy."""
+    out = torch.empty_strided(dense.shape, stride, dtype=dense.dtype)
+    one = tuple(slice(None) if s else slice(0, 1) for s in stride)
+    out[one].copy_(dense[one])
+    return out
 
 
 def _failure(delegate: str, where: str, e: BaseException) -> RuntimeError:
