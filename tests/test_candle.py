@@ -1,5 +1,5 @@
 """The candle delegate beyond the shared delegate tests: its quantized variants (inexact by design,
-checked against float32 with measured bounds), its integer arithmetic, candle panics."""
+checked against float32 with measured bounds), its integer arithmetic, candle panics, expanded outputs."""
 import pytest
 import torch
 from torch.nn.functional import linear
@@ -96,3 +96,16 @@ def test_integer_arithmetic_and_casts_match_eager():
     e = _explain("candle", f)
     assert all(torch.equal(g, r) for g, r in zip(e.output, ref))
     assert all(d == "candle" for parts in e.partitions for d, _ in parts) and not torchnative.stats()["fallbacks"]
+
+
+def test_an_expanded_output_keeps_eager_layout():
+    """An expand that leaves the candle partition (cumsum runs on eager) has 0 strides in eager;
+    the runtime can only copy into the layouts it restrides to when they do not overlap."""
+    x = torch.randn(3, 1, 4)
+
+    def f():
+        return (x + 1).expand(3, 5, 4).cumsum(1)
+
+    e = _explain("candle", f)
+    assert torch.equal(e.output, f())
+    assert ("candle", 2) in e.partitions[0] and not torchnative.stats()["fallbacks"]
