@@ -48,7 +48,8 @@ class Decoder:
 
     def prefill(self) -> torch.Tensor:
         self.cache.reset()
-        logits = self.model(self.prompt, past_key_values=self.cache, cache_position=torch.arange(self.prompt.shape[1])).logits
+        positions = torch.arange(self.prompt.shape[1])
+        logits = self.model(self.prompt, past_key_values=self.cache, cache_position=positions).logits
         return logits[:, -1:].argmax(-1)
 
     def step(self, token: torch.Tensor, i: int) -> torch.Tensor:
@@ -121,7 +122,8 @@ def main() -> None:
     torchnative.reset_stats()
     interleave(decoders, a.runs)
     fallbacks = torchnative.stats()["fallbacks"]
-    eager_step_ms = statistics.median(decoders["eager"].decode_s[2:]) / a.steps * 1e3  # after the first and warm-up calls
+    # decode_s[2:]: after the first call and interleave's warm-up call
+    eager_step_ms = statistics.median(decoders["eager"].decode_s[2:]) / a.steps * 1e3
     for k, r in rows.items():
         r["step_ms"] = statistics.median(decoders[k].decode_s[2:]) / a.steps * 1e3
         r["tokens_per_s"] = 1e3 / r["step_ms"]
@@ -137,14 +139,16 @@ def main() -> None:
             r["fallbacks"] = sum(n for why, n in fallbacks.items() if why.startswith(f"{k}:"))
     cols = [("engine", "{}"), ("tokens_per_s", "{:.1f}"), ("step_ms", "{:.1f}"), ("x_eager", "{:.2f}x"),
             ("capture_ms", "{:.1f}"), ("program_ms", "{:.1f}"), ("program_x", "{:.2f}x"), ("delegate_ms", "{:.1f}"),
-            ("delegate_x", "{:.2f}x"), ("same_tokens", "{}"), ("first_divergence", "{}"), ("partitions", "{}"), ("fallbacks", "{}"), ("first_s", "{:.1f}")]
+            ("delegate_x", "{:.2f}x"), ("same_tokens", "{}"), ("first_divergence", "{}"), ("partitions", "{}"),
+            ("fallbacks", "{}"), ("first_s", "{:.1f}")]
     print(f"GPT-2 small (random weights), greedy decoding of {a.steps} tokens after a {a.prompt}-token prompt, "
           f"{rows['candle']['ops_per_step']} ops per decode step; medians of {a.runs} interleaved runs")
     print(table(list(rows.values()), cols))
     print("step_ms: one decode step end to end; capture_ms: step_ms - program_ms, torchnative's recording at the aten "
           "door; program_ms: the step's compiled program alone; delegate_ms: its candle partitions alone, in one pass, "
           "transfers included; *_x: eager's step_ms over that; first_s: first call (compiles)")
-    payload = {"torch": torch.__version__, "steps": a.steps, "prompt": a.prompt, "rows": list(rows.values()), "tokens": tokens}
+    payload = {"torch": torch.__version__, "steps": a.steps, "prompt": a.prompt, "rows": list(rows.values()),
+               "tokens": tokens}
     print(f"wrote {write('candle_decode', payload)}")
 
 

@@ -233,7 +233,8 @@ def _unary(op, fn: Callable) -> None:
 for _op, _fn in {aten.neg.default: lambda x: x * _scalar(-1.0, "f32"), aten.exp.default: lambda x: x.exp(),
                  aten.log.default: lambda x: x.log(), aten.sqrt.default: lambda x: x.sqrt(),
                  aten.rsqrt.default: lambda x: x.sqrt().recip(), aten.reciprocal.default: lambda x: x.recip(),
-                 aten.abs.default: lambda x: x.abs(), aten.sin.default: lambda x: x.sin(), aten.cos.default: lambda x: x.cos(),
+                 aten.abs.default: lambda x: x.abs(), aten.sin.default: lambda x: x.sin(),
+                 aten.cos.default: lambda x: x.cos(),
                  aten.sigmoid.default: lambda x: ((x * _scalar(-1.0, "f32")).exp() + _scalar(1.0, "f32")).recip(),
                  aten.tanh.default: lambda x: candle.functional.tanh(x),
                  aten.relu.default: lambda x: candle.functional.relu(x)}.items():
@@ -355,7 +356,8 @@ def _batch_norm(o, x, weight, bias, mean, var, momentum, eps):
 
 def _max_pool_check(n: fx.Node) -> str | None:
     x, kernel, stride, padding, dilation, ceil = (*n.args, *[(), 0, 1, False][len(n.args) - 2:])
-    kernel, stride, padding, dilation = ([v] * 2 if isinstance(v, int) else list(v) for v in (kernel, stride or kernel, padding, dilation))
+    kernel, stride, padding, dilation = ([v] * 2 if isinstance(v, int) else list(v)
+                                         for v in (kernel, stride or kernel, padding, dilation))
     if x.meta["val"].dim() != 4 or len(set(kernel)) != 1 or len(set(stride)) != 1:
         return "candle's max_pool2d takes a 4-D input and square kernel and stride"
     if any(padding) or any(d != 1 for d in dilation) or ceil:
@@ -398,7 +400,8 @@ def _sdpa_check(n: fx.Node) -> str | None:
         return "boolean attention masks"
     if any(isinstance(t.target, torch._ops.OpOverload) and t.target._schema.name.split("::")[1].startswith(_WRITES)
            for t in n.args[1:3]):
-        return "k/v are a cache that eager writes (index_put): moving the whole cache into candle every call costs more than the attention"
+        return ("k/v are a cache that eager writes (index_put): moving the whole cache into candle every call "
+                "costs more than the attention")
     return _float_out(n.args[0])
 
 
@@ -407,7 +410,8 @@ def _sdpa(o, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=N
     b, h, length, e = q.shape
     hk, s = k.shape[1], k.shape[2]
     if hk != h:  # grouped-query attention: each k/v head serves h // hk query heads
-        k, v = ((t.unsqueeze(2).broadcast_as((b, hk, h // hk, s, t.shape[3])).reshape((b, h, s, t.shape[3]))) for t in (k, v))
+        k, v = (t.unsqueeze(2).broadcast_as((b, hk, h // hk, s, t.shape[3])).reshape((b, h, s, t.shape[3]))
+                for t in (k, v))
     scores = _matmul(q, k.transpose(2, 3)) * _scalar(scale or 1 / math.sqrt(e), "f32")
     if is_causal:
         scores = scores + _causal(length, s)
@@ -427,7 +431,8 @@ def _causal(length: int, s: int):
 
 
 # shape-only ops: the output shape is known statically, from the node's meta
-_lower(aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims)(lambda o, x, *_: x.reshape(o.shape))
+_lower(aten.view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims)(
+    lambda o, x, *_: x.reshape(o.shape))
 _lower(aten.expand.default)(lambda o, x, *_, **__: x.broadcast_as(o.shape))
 _lower(aten.alias.default, aten.clone.default)(lambda o, x, **_: x)
 
@@ -471,7 +476,8 @@ def _cat(o, tensors, dim=0):
 
 
 def _cast_check(n: fx.Node) -> str | None:
-    if set(n.kwargs) - {"dtype", "layout", "device", "memory_format"} or n.kwargs.get("device") not in (None, torch.device("cpu")):
+    if set(n.kwargs) - {"dtype", "layout", "device", "memory_format"} or \
+            n.kwargs.get("device") not in (None, torch.device("cpu")):
         return "_to_copy to another device or layout"
     src, dst = n.args[0].meta["val"].dtype, n.meta["val"].dtype
     if src.is_floating_point and dst == torch.int64:
@@ -496,12 +502,14 @@ def _compare_check(n: fx.Node) -> str | None:
 
 for _name, _op in {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
                    "ge": operator.ge}.items():
-    _lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar, check=_compare_check)(lambda o, x, y, op=_op: op(x, y))
+    _lower(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar, check=_compare_check)(
+        lambda o, x, y, op=_op: op(x, y))
 _lower(aten.logical_not.default, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool
        else "logical_not of a non-boolean tensor")(lambda o, x: x == 0)
 
 
-@_lower(aten.where.self, check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool else "where with a non-boolean condition")
+@_lower(aten.where.self,
+        check=lambda n: None if n.args[0].meta["val"].dtype == torch.bool else "where with a non-boolean condition")
 def _where(o, cond, x, y):
     shape = o.shape
     x, y = (_as(o, t).broadcast_as(shape) for t in (x, y))
@@ -512,7 +520,8 @@ def _index_check(n: fx.Node) -> str | None:
     return _scalar_input(n) or (None if n.args[-1].meta["val"].dtype == torch.int64 else "indices that are not int64")
 
 
-@_lower(aten.embedding.default, check=lambda n: None if n.args[1].meta["val"].dtype == torch.int64 else "indices that are not int64")
+@_lower(aten.embedding.default,
+        check=lambda n: None if n.args[1].meta["val"].dtype == torch.int64 else "indices that are not int64")
 def _embedding(o, weight, indices, *_):
     return weight.index_select(indices.flatten_all(), 0).reshape(o.shape)
 
@@ -524,7 +533,8 @@ def _index_select(o, x, dim, index):
 
 def _gather_check(n: fx.Node) -> str | None:
     x, dim, index = (a.meta["val"] if isinstance(a, fx.Node) else a for a in n.args[:3])
-    same = x.dim() == index.dim() and all(a == b for i, (a, b) in enumerate(zip(x.shape, index.shape)) if i != dim % x.dim())
+    same = x.dim() == index.dim() and all(a == b for i, (a, b) in enumerate(zip(x.shape, index.shape))
+                                          if i != dim % x.dim())
     if not same:
         return "candle's gather needs the index shaped like the input outside `dim`"
     return _scalar_input(n) or (None if index.dtype == torch.int64 else "indices that are not int64")
@@ -541,8 +551,10 @@ _CONSTANT = frozenset({aten.full.default, aten.arange.start_step, aten.scalar_te
 # why candle declines some ops by name
 _WRITES = ("index_put", "index_copy", "scatter")
 _MISSING = {"convolution": "candle-nn 0.4.2's Python bindings have no convolution",
-            "index_put": "candle-nn 0.4.2 has no scatter/index_put (in-place updates such as a KV cache's stay in eager)",
-            "scatter": "candle-nn 0.4.2 has no scatter/index_put", "index_copy": "candle-nn 0.4.2 has no scatter/index_put",
+            "index_put": "candle-nn 0.4.2 has no scatter/index_put (in-place updates such as a KV cache's stay "
+                         "in eager)",
+            "scatter": "candle-nn 0.4.2 has no scatter/index_put",
+            "index_copy": "candle-nn 0.4.2 has no scatter/index_put",
             "cumsum": "candle-nn 0.4.2's Python bindings have no cumsum"}
 
 
@@ -597,7 +609,8 @@ class Candle:
             return Availability("unavailable", "candle-nn is not installed", _HINT)
         version = importlib.metadata.version("candle-nn")
         if version != _VERSION:
-            return Availability("unavailable", f"candle-nn {version} is installed; this delegate is verified on {_VERSION}", _HINT)
+            return Availability("unavailable", f"candle-nn {version} is installed; this delegate is verified on "
+                                               f"{_VERSION}", _HINT)
         if not hasattr(os, "memfd_create"):
             return Availability("unavailable", "tensors move through os.memfd_create, which this OS lacks")
         return Availability("executes")
@@ -610,8 +623,9 @@ class Candle:
         for v in _values(node):
             if v.dtype not in _DTYPES:
                 held = v.dtype in (torch.float16, torch.bfloat16, torch.float64, torch.uint8)
-                return Support(False, f"{v.dtype} tensors: " + ("candle holds them, but only float32 (with int64 and bool) is "
-                               "verified here" if held else "candle has no such dtype (u8 u32 i64 f16 bf16 f32 f64)"))
+                return Support(False, f"{v.dtype} tensors: " + (
+                    "candle holds them, but only float32 (with int64 and bool) is verified here" if held
+                    else "candle has no such dtype (u8 u32 i64 f16 bf16 f32 f64)"))
             if v.numel() == 0:
                 return Support(False, "empty tensors")
             if any(isinstance(s, torch.SymInt) for s in v.shape):
@@ -716,7 +730,8 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # candle panics surface as pyo3's PanicException, a BaseException
-            raise _failure(delegate, f"{node.target} ({node.name})" if node is not None else "moving tensors in or out", e) from e
+            where = f"{node.target} ({node.name})" if node is not None else "moving tensors in or out"
+            raise _failure(delegate, where, e) from e
 
     return runner
 
