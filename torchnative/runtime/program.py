@@ -64,8 +64,8 @@ def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
     """A delegate's output with the strides eager would have given it: later eager ops (view
     after permute of SDPA's output) and the user can depend on them."""
     expected = node.meta["val"]
-    if value.stride() == expected.stride() or value.numel() <= 1:
-        return value
+    if value.stride() == expected.stride() or value.numel() <= 1 or 0 in expected.stride():
+        return value  # an expanded layout (stride 0) cannot be written into: dense values stay dense
     return torch.empty_strided(expected.shape, expected.stride(), dtype=value.dtype).copy_(value)
 
 
