@@ -17,13 +17,12 @@ def test_forward_equals_eager(name):
     inputs = models.example_inputs(name, model, batch=2)
     with torch.no_grad():
         ref = model(**inputs)
-        torchnative.accelerate(model)
-        out = model(**inputs)
-        again = model(**inputs)  # warm: same graph key
+        torchnative.accelerate(model)  # the default delegates
+        calls = [model(**inputs) for _ in range(4)]  # eager, compiled, then replayed where eligible
     key = "logits" if "logits" in ref else "last_hidden_state"
-    assert type(out[key]) is torch.Tensor
-    assert_same(out[key], ref[key], rtol=1e-5, atol=1e-5)
-    assert_same(again[key], ref[key], rtol=1e-5, atol=1e-5)
+    for out in calls:
+        assert type(out[key]) is torch.Tensor
+        assert_same(out[key], ref[key], rtol=1e-4, atol=1e-5)
     torchnative.deaccelerate(model)
     assert "forward" not in model.__dict__
 
