@@ -82,8 +82,10 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = guard_key(model, leaves, spec) if replay and current_handler() is None else None
+        key = None
+        if replay and current_handler() is None:  # inside a capture, the outer session records
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            key = guard_key(model, leaves, spec)
         if key is None:
             with session(delegates, buffers, compile_after=compile_after):
                 out = original(*args, **kwargs)
