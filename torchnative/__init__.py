@@ -78,7 +78,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         return model
     original = model.forward
     buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
-    replayer = Replayer(model, buffers)
+    replayer = Replayer(buffers)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:

@@ -216,8 +216,7 @@ class _Entry:
 class Replayer:
     """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
 
-    def __init__(self, model: torch.nn.Module, weights: frozenset[int]):
-        self.model = model
+    def __init__(self, weights: frozenset[int]):
         self.weights = weights
         self.entries: dict[tuple, _Entry] = {}
 
