@@ -126,3 +126,37 @@ def test_explain_on_an_accelerated_model_records():
             model(**kw)
         e = torchnative.explain(model, **kw)
     assert e.graphs and e.ops_recorded > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_static_cache_decode_steps_replay_with_eager_tokens(name):
+    """A StaticCache argument is guarded by identity and Python state; its tensors are written
+    back by the replay as by the recording."""
+    model = models.build(name)
+    ids = models.example_inputs(name, model, seq=8)["input_ids"]
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    ref = model.generate(ids, **kwargs)
+    torchnative.accelerate(model, delegates=["eager"])
+    torchnative.reset_stats()
+    for _ in range(2):  # the second generate replays from its first decode step on
+        assert torch.equal(model.generate(ids, **kwargs), ref)
+    s = torchnative.stats()
+    assert s["replays"] >= 12, s
+
+
+def test_argument_object_whose_python_state_changes_is_not_replayed():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+    class Model(torch.nn.Module):
+        def forward(self, x, counter):
+            counter.n += 1  # Python state a replay would skip
+            return x * 2
+
+    model = torchnative.accelerate(Model())
+    counter, x = Counter(), torch.ones(3)
+    for _ in range(4):
+        assert_same(model(x, counter), x * 2)
+    assert counter.n == 4
+    assert torchnative.stats()["replay_ineligible"]

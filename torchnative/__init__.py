@@ -97,6 +97,8 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         with session(delegates, buffers, tracer, compile_after):
             out = original(*args, **kwargs)
         out = _real_outputs(out)
+        if guard_key(model, leaves, spec) != key:  # the call changed an argument object's Python state
+            tracer.refuse("the call changed the Python state of an argument object")
         replayer.learn(key, tracer, leaves, out)
         return out
 

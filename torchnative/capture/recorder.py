@@ -39,7 +39,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty(0, dtype=dtype, device="meta").type()).split(".")[-1].replace("Tensor", "")
 
 
-Execute = Callable[[Node, Signature, list], list]
+Execute = Callable[[Node, Signature, list, int, list], list]  # (graph, signature, inputs, ops, roots written)
 
 
 def user_frame(skip: int = 2) -> tuple[str, int]:
@@ -355,7 +355,7 @@ class Recorder:
         events.STATS.ops_recorded += n_ops
         self._reset()
         try:
-            values = self.execute(node, Signature(outputs, state), inputs, n_ops)
+            values = self.execute(node, Signature(outputs, state), inputs, n_ops, roots)
         except BaseException:
             for t in bases + pviews:  # their graph failed: they never get a value
                 t._slot = -1

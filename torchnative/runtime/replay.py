@@ -11,9 +11,11 @@ checked against the recorded one, and a mismatch (Python would have branched dif
 changed weight, or a re-registered parameter anywhere falls back to recording the call — the
 programs run so far wrote nothing, so running the call again is safe.
 
-Anything else Python did with tensor data (a random op, an eager fallback op, `.tolist()`, a
-write into a real tensor, a tensor made from Python data) makes the call ineligible; the reason is
-counted in `stats()["replay_ineligible"]`.
+An argument object (a StaticCache) is guarded by identity and Python state (`object_state`); a
+call that changes that state is ineligible; the tensors it reaches are read and, by the last
+program, written back as the recording did. Anything else Python did with tensor data (a random
+op, an eager fallback op, `.tolist()`, a tensor made from Python data) makes the call ineligible;
+the reason is counted in `stats()["replay_ineligible"]`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative import events
+from torchnative.shim import LazyTensor
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default
@@ -59,9 +62,31 @@ def _plain(spec: Any, outputs: bool = False) -> bool:
     return ok and all(_plain(c, outputs) for c in spec.children())
 
 
+def object_state(x: Any, tensors: list | None = None, depth: int = 3) -> Any:
+    """An argument object's Python state (a KV cache: its layers, their tensors and counters):
+    scalars by value, tensors by identity and metadata (and collected into `tensors`), deeper
+    objects by identity."""
+    if isinstance(x, torch.Tensor):
+        if tensors is not None:  # a tensor made under capture (a cache's lazy init) is a wrapper
+            tensors.append(x._value if type(x) is LazyTensor and x._value is not None else x)
+        return ("T", id(x), x.shape, x.stride(), x.dtype)
+    if type(x) in _SCALARS:
+        return x
+    if depth == 0:
+        return ("O", id(x))
+    if type(x) in (list, tuple):
+        return (type(x).__name__, *(object_state(v, tensors, depth - 1) for v in x))
+    if type(x) is dict:
+        return ("dict", *((k, object_state(v, tensors, depth - 1)) for k, v in x.items()))
+    fields = getattr(x, "__dict__", None)
+    if fields is None:
+        return ("O", id(x))
+    return (type(x), id(x), *((k, object_state(v, tensors, depth - 1)) for k, v in fields.items()))
+
+
 def guard_key(model: torch.nn.Module, leaves: list, spec: Any) -> tuple | None:
-    """What a trace is valid for, from the call's flattened arguments; None when they hold
-    objects Python may act on (a cache object, a module, ...)."""
+    """What a trace is valid for, from the call's flattened arguments: tensor metadata, scalar
+    values, other objects' identity and Python state (see `object_state`)."""
     if not _plain(spec):
         return None
     described = []
@@ -72,8 +97,10 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any) -> tuple | None:
             described.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad))
         elif type(x) in _SCALARS:
             described.append((type(x), x))
+        elif isinstance(x, torch.nn.Module):
+            return None  # its parameters are not this module's weights: no guard covers them
         else:
-            return None
+            described.append(object_state(x))
     return (spec, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
@@ -94,6 +121,7 @@ class Step:
     sources: tuple                # per input: ("arg", i) | ("out", step, j) | ("const", tensor)
                                   # | ("view", source, shape, stride, offset): an alias of a source
     reads: tuple                  # ((j, value), ...): Python read output j as this scalar
+    writes: tuple = ()            # sources of the real tensors the trailing values are copied into
 
 
 @dataclass(frozen=True)
@@ -106,8 +134,10 @@ class Trace:
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
             return ("const", id(src[1])) if src[0] == "const" else src
-        mine = [(s.program, tuple(map(norm, s.sources)), s.reads) for s in self.steps]
-        theirs = [(s.program, tuple(map(norm, s.sources)), s.reads) for s in other.steps]
+
+        def shape(t: Trace) -> list:
+            return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.steps]
+        mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.registrations == other.registrations
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs])
 
@@ -128,6 +158,12 @@ class Trace:
                 if type(got) is not type(expected) or got != expected:
                     return None
             produced.append(values)
+        last = self.steps[-1] if self.steps else None
+        if last is not None and last.writes:  # only the last step writes, after every guard held
+            values = produced[-1]
+            with torch.no_grad():
+                for src, v in zip(last.writes, values[len(values) - len(last.writes):]):
+                    _resolve(src, leaves, produced).copy_(v)
         out = [_resolve(o, leaves, produced) for o in self.outputs]
         return pytree.tree_unflatten(out, self.spec)
 
@@ -136,14 +172,14 @@ class Tracer:
     """Watches one recorded call: the programs it ran and what Python did with their values."""
 
     def __init__(self) -> None:
-        self.runs: list[tuple] = []       # (program, inputs, values, writes state)
+        self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
 
-    def ran(self, program: Any, inputs: list, values: list, writes_state: bool) -> None:
-        if writes_state:
-            self.refuse(f"a graph writes into a real tensor ({len(values)} outputs)")
-        self.runs.append((program, list(inputs), list(values)))
+    def ran(self, program: Any, inputs: list, values: list, roots: list) -> None:
+        """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values."""
+        n = len(values) - len(roots)
+        self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
 
     def eager(self, op: Any, args: tuple, out: Any) -> None:
         """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""
@@ -171,15 +207,21 @@ class Tracer:
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 known(x, ("arg", i))
+            elif type(x) not in _SCALARS:  # an object argument (a cache): its tensors, as they are
+                where[id(x)] = ("arg", i)
+                reached: list = []
+                object_state(x, reached)
+                for t in reached:
+                    where.setdefault(id(t), ("const", t))
 
         def source(x: Any) -> tuple:
+            s = where.get(id(x))
+            if s is not None:
+                return s
             if not isinstance(x, torch.Tensor):
                 if type(x) in _SCALARS:
                     return ("py", x)
                 raise Ineligible(f"the output holds a {type(x).__name__}")
-            s = where.get(id(x))
-            if s is not None:
-                return s
             if weights(x) or not x.numel():  # an empty tensor has no data to differ
                 return ("const", x)
             base = storages.get(x.untyped_storage().data_ptr()) if x.numel() else None
@@ -189,16 +231,21 @@ class Tracer:
 
         reads: list[list] = [[] for _ in self.runs]
         produced = {id(v): (k, j) for k, run in enumerate(self.runs) for j, v in enumerate(run[2])}
+        if any(run[3] for run in self.runs[:-1]):
+            raise Ineligible("a graph before the last writes into a real tensor")
         for t, value in self.reads:
             if id(t) not in produced:
                 raise Ineligible("Python read a scalar of a tensor that is not a graph output")
             k, j = produced[id(t)]
             reads[k].append((j, value))
         steps = []
-        for k, (program, inputs, values) in enumerate(self.runs):
+        for k, (program, inputs, values, roots) in enumerate(self.runs):
             if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
                 raise Ineligible("autograd records this call")
-            steps.append(Step(program, tuple(source(x) for x in inputs), tuple(reads[k])))
+            writes = tuple(source(r) for r in roots)
+            if any(w[0] not in ("arg", "const") for w in writes):
+                raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
+            steps.append(Step(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
         outputs, spec = pytree.tree_flatten(out)

@@ -14,11 +14,11 @@ from torchnative.shim import DoorMode, current_handler, set_handler
 
 
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int):
-    def execute(node: Node, sig: Signature, inputs: list, n_ops: int) -> list:
+    def execute(node: Node, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
         program, hit = program_for(node, sig, delegates, inputs, compile_after)
         values = program(inputs)
         if tracer is not None:
-            tracer.ran(program, inputs, values, bool(sig.state))
+            tracer.ran(program, inputs, values, roots)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions))
         return values
