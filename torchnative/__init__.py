@@ -6,7 +6,7 @@ cut where Python needs a value, and run as compiled programs, with eager semanti
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -16,13 +16,15 @@ from torchnative import events
 from torchnative.delegates import REGISTRY, Availability
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
+from torchnative.inspector.profile import Profile, ProfileError
+from torchnative.inspector.profile import profile as _profile
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.replay import Replayer, Tracer, guard_key
 from torchnative.runtime.session import session
 from torchnative.shim import LazyTensor, current_handler
 
 __all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates",
-           "CapturedOpError", "Explanation", "LazyTensor"]
+           "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
 __version__ = "0.1.0"
 
 _ORIGINAL = "_torchnative_original_forward"
@@ -119,9 +121,22 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Explanation:
     """Run `fn(*args, **kwargs)` under capture and report what was captured.
 
     Returns an Explanation with `graphs` (CapturedGraphs; `.ops()` lists each one's ops),
-    `breaks` (reason, op, filename, line of each graph break), `op_counts` and `output`.
+    `breaks` (reason, op, filename, line of each graph break), `fallbacks` (delegate and reason
+    of each partition that failed to compile or run and ran on eager), `op_counts` and `output`.
     """
     return _explain(fn, *args, **kwargs)
+
+
+def profile() -> AbstractContextManager[Profile]:
+    """Record where time goes inside the block: `with torchnative.profile() as prof: ...`.
+
+    When the block ends, `prof.summary()` is a text report (time and op coverage per delegate,
+    top partitions with p50/p95 and the source lines their ops came from, declined ops with each
+    delegate's reason, fallbacks, graph breaks by file:line, state/pinned tensors, compile
+    times) and `prof.save(path)` writes it for `torchnative inspect` (terminal, `--html`,
+    `--trace`). Off by default; outside a profile nothing is timed.
+    """
+    return _profile()
 
 
 def delegates() -> dict[str, Availability]:

@@ -1,4 +1,8 @@
-"""Counters and events that the layers emit and the inspector listens to."""
+"""Counters and events that the layers emit and the inspector listens to.
+
+Counters are always kept. Events go to listeners; with none registered (the default) `emit` is a
+loop over an empty list, and per-partition timing (`PartitionRun`) is not even measured unless
+`timing` is on, which `torchnative.profile()` turns on for its block."""
 from __future__ import annotations
 
 from collections import Counter
@@ -20,12 +24,39 @@ class GraphRun:
     cache_hit: bool
     n_ops_recorded: int
     partitions: tuple = ()   # ((delegate, n_ops), ...) in execution order
+    replayed: bool = False   # run from a replay trace, without recording
+    program: Any = None      # runtime.program.Program: its steps and declined nodes
 
 
 @dataclass(frozen=True)
 class Fallback:
     delegate: str
     reason: str
+    graph_key: str = ""
+    n_ops: int = 0
+
+
+@dataclass(frozen=True)
+class ProgramBuilt:
+    """A graph was partitioned and each partition compiled."""
+    program: Any               # runtime.program.Program
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PartitionRun:
+    """One partition ran (emitted only while `timing` is on); start is `time.perf_counter()`."""
+    step: Any                  # runtime.program.Step
+    graph_key: str
+    index: int
+    start: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    outcome: str               # "replayed", "miss" (a guard failed) or "ineligible"
+    reason: str = ""
 
 
 @dataclass
@@ -50,6 +81,7 @@ class Stats:
 
 
 STATS = Stats()
+timing = False  # measure each partition's run (PartitionRun); costs two clock reads per partition
 _listeners: list[Callable[[Any], None]] = []
 
 

@@ -14,6 +14,7 @@ class Explanation:
     graphs: list[CapturedGraph] = field(default_factory=list)
     partitions: list[tuple] = field(default_factory=list)  # per graph: ((delegate, n_ops), ...)
     breaks: list[events.GraphBreak] = field(default_factory=list)
+    fallbacks: list[events.Fallback] = field(default_factory=list)
     output: Any = None
 
     @property
@@ -35,6 +36,8 @@ class Explanation:
                          f"outputs {_roles(g.output_roles)}")
         for b in self.breaks:
             lines.append(f"  break at {b.filename}:{b.line}: {b.reason}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback from {f.delegate} to eager: {f.reason}")
         top = ", ".join(f"{op.split('.')[1]}×{n}" for op, n in self.op_counts.most_common(8))
         lines.append(f"  top ops: {top}")
         return "\n".join(lines)
@@ -56,6 +59,8 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
             result.partitions.append(e.partitions)
         elif isinstance(e, events.GraphBreak):
             result.breaks.append(e)
+        elif isinstance(e, events.Fallback):
+            result.fallbacks.append(e)
 
     stop = events.listen(on_event)
     try:

@@ -2,6 +2,7 @@
 cached by graph key + guards, run with errors that name the op and the user's source line."""
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,13 +26,15 @@ class CapturedOpError(RuntimeError):
 @dataclass
 class Step:
     """One partition: which graph values it reads (all, and those passed at run time: a delegate
-    bakes params in), which it writes, and its loaded runner."""
+    bakes params in), which it writes, its loaded runner, and what compiling it cost."""
     delegate: str
     graph: CapturedGraph
     reads: list[fx.Node]
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     run: Callable
+    compile_s: float = 0.0
+    artifact_bytes: int = 0
 
 
 def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[CapturedGraph, list, list]:
@@ -72,35 +75,43 @@ def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
 
 
-def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> Callable:
+def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, int]:
     # A cut flushes from inside __torch_dispatch__, where torch has excluded the Python dispatch
     # key for this thread; tracing compilers (torch.export) need it, so they run on a thread
     # whose dispatch state is fresh.
-    return _compiler.submit(lambda: delegate.load(delegate.compile(graph))).result()
+    def build():
+        artifact = delegate.compile(graph)
+        return delegate.load(artifact), len(artifact.payload)
+    return _compiler.submit(build).result()
 
 
-def _fallback(delegate: str, why: str) -> None:
+def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
     events.STATS.fallbacks[f"{delegate}: {why.splitlines()[0][:200] if why else ''}"] += 1
-    events.emit(events.Fallback(delegate, why))
+    events.emit(events.Fallback(delegate, why, graph_key, n_ops))
 
 
 class Program:
     def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor]):
+        started = time.perf_counter()
         self.graph = graph
-        self.steps: list[Step] | None = None
         self.baked: list[tuple] = []  # (input index, weakref, version) of params a delegate baked in
+        placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        out_node = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
         self.run_fn: Callable = eager.load(eager.compile(graph))
+        self.steps = [Step(EAGER, graph, placeholders, placeholders, list(out_node.args[0]), self.run_fn)]
+        self.declined: tuple = ()  # (op, delegate, reason) of every node a delegate declined
         if any(d.name != EAGER for d in delegates) and graph.op_nodes():
-            self.plan = partition(graph.gm.graph, delegates)
-            if any(p.delegate != EAGER for p in self.plan.partitions):
-                placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+            plan = partition(graph.gm.graph, delegates)
+            self.declined = _declined(graph, plan.declined)
+            if any(p.delegate != EAGER for p in plan.partitions):
                 values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
                 by_name = {d.name: d for d in delegates}
-                self.steps = [self._step(p, by_name, values) for p in self.plan.partitions]
+                self.steps = [self._step(p, by_name, values) for p in plan.partitions]
                 self.run_fn = self._run_steps
                 baked = {values["index"][n] for s in self.steps if s.delegate != EAGER for n in s.reads if n in values["index"]
                          and graph.input_roles[values["index"][n]] == "param"}
                 self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked)]
+        events.emit(events.ProgramBuilt(self, time.perf_counter() - started))
 
     def stale(self) -> bool:
         """A baked param is gone or has changed since: this program can never run again."""
@@ -115,36 +126,40 @@ class Program:
 
     @property
     def partitions(self) -> tuple:
-        if self.steps is None:
-            return ((EAGER, len(self.graph.op_nodes())),)
         return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
 
     def _step(self, part: Partition, delegates: dict, values: dict) -> Step:
         sub, reads, outputs = _subgraph(self.graph, part, values)
         name = part.delegate
         if name != EAGER:
+            started = time.perf_counter()
             try:
                 runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role != "param"]
-                return Step(name, sub, reads, runtime_inputs, outputs, _compile_in_clean_thread(delegates[name], sub))
+                run, size = _compile_in_clean_thread(delegates[name], sub)
+                return Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started, size)
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
-                _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}")
+                _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}",
+                          self.graph.key, len(sub.op_nodes()))
                 name = EAGER
         return Step(name, sub, reads, reads, outputs, eager.load(eager.compile(sub)))
 
-    def _run_steps(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
         env = dict(zip((n for n in self.graph.gm.graph.nodes if n.op == "placeholder"), inputs))
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
             args = [env[n] for n in step.inputs]
+            started = time.perf_counter() if timed else 0.0
             try:
                 outs = step.run(args)
             except Exception as e:
                 if step.delegate == EAGER:
                     raise
-                _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}")
+                _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, len(step.graph.op_nodes()))
                 step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
                 outs = step.run([env[n] for n in step.inputs])
             if step.delegate != EAGER:
                 outs = [_eager_layout(v, n) for v, n in zip(outs, step.outputs)]
+            if timed:
+                events.emit(events.PartitionRun(step, self.graph.key, i, started, time.perf_counter() - started))
             env.update(zip(step.outputs, outs))
         out_node = next(n for n in reversed(self.graph.gm.graph.nodes) if n.op == "output")
         return [env[n] for n in out_node.args[0]]
@@ -152,6 +167,8 @@ class Program:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             with torch.no_grad():
+                if events.timing:
+                    return self._run_steps(inputs, timed=True)
                 return self.run_fn(inputs)
         except Exception as e:
             raise self._locate(inputs, e) from e
@@ -180,6 +197,11 @@ class Program:
         return CapturedOpError(
             f"{n.target} failed in a captured graph (issued at {filename}:{line}): "
             f"{type(error).__name__}: {error}")
+
+
+def _declined(graph: CapturedGraph, declined: dict) -> tuple:
+    target = {n.name: str(n.target) for n in graph.op_nodes()}
+    return tuple((target.get(name, name), d, why) for name, reasons in declined.items() for d, why in reasons)
 
 
 _programs: dict = {}

@@ -152,7 +152,7 @@ class Trace:
                 return None
             values = step.program(inputs)
             events.STATS.graph_runs += 1
-            events.emit(events.GraphRun(step.program.graph, True, 0, step.program.partitions))
+            events.emit(events.GraphRun(step.program.graph, True, 0, step.program.partitions, True, step.program))
             for j, expected in step.reads:
                 got = values[j].item()
                 if type(got) is not type(expected) or got != expected:
@@ -277,8 +277,10 @@ class Replayer:
         out = entry.trace.run(leaves)
         if out is None:
             events.STATS.replay_misses += 1
+            events.emit(events.ReplayOutcome("miss"))
             return False, None
         events.STATS.replays += 1
+        events.emit(events.ReplayOutcome("replayed"))
         return True, out
 
     def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any) -> None:
@@ -286,6 +288,7 @@ class Replayer:
             trace = tracer.trace(leaves, self.is_weight, out)
         except Ineligible as e:
             events.STATS.replay_ineligible[str(e)] += 1
+            events.emit(events.ReplayOutcome("ineligible", str(e)))
             self.entries.pop(key, None)
             return
         entry = self.entries.get(key)

@@ -20,7 +20,7 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
         if tracer is not None:
             tracer.ran(program, inputs, values, roots)
         events.STATS.graph_runs += 1
-        events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions))
+        events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program))
         return values
     return execute
 
