@@ -18,12 +18,16 @@ from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
 from torchnative.inspector.profile import Profile, ProfileError
 from torchnative.inspector.profile import profile as _profile
+from torchnative.passes.pin import name_tensors
+from torchnative.passes.pin import pin as _pin
+from torchnative.passes.pin import pinned as _pinned
+from torchnative.passes.quantize import SCHEMES
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.replay import Replayer, Tracer, guard_key
 from torchnative.runtime.session import session
 from torchnative.shim import LazyTensor, current_handler
 
-__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates",
+__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
            "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -31,7 +35,8 @@ _ORIGINAL = "_torchnative_original_forward"
 
 
 @contextmanager
-def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2) -> Iterator[None]:
+def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
+            quantize: str | None = None) -> Iterator[None]:
     """Capture every aten op run inside the block.
 
     Ops are recorded lazily and run as compiled graphs when Python needs a value (`.item()`,
@@ -45,9 +50,18 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2) -
         compile_after: a graph runs on eager until it has run this many times; then it is
             compiled for the delegates. Compiling costs seconds, and a graph seen once (a new
             shape at every decode step) never repays it; 1 compiles every graph at once.
+        quantize: `"int8"` (per output channel) or `"int4"` (groups of 32) for the float weights
+            (parameters and buffers that are not pinned) that feed matmuls and convolutions;
+            `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses.
     """
-    with session(delegates, compile_after=compile_after):
+    _check_quantize(quantize)
+    with session(delegates, compile_after=compile_after, quantize=quantize):
         yield
+
+
+def _check_quantize(scheme: str | None) -> None:
+    if scheme is not None and scheme not in SCHEMES:
+        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES)} or None")
 
 
 def _real_outputs(out: Any) -> Any:
@@ -65,7 +79,7 @@ def _real_outputs(out: Any) -> Any:
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
-               replay: bool = True, compile_after: int = 2) -> torch.nn.Module:
+               replay: bool = True, compile_after: int = 2, quantize: str | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
@@ -74,10 +88,17 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     changed weight, records the call again. Python-only side effects of `forward` (a call counter
     on the module) do not happen on a replayed call: pass `replay=False` if `forward` has them.
 
-    `delegates` and `compile_after` are as in `capture`. Idempotent. Outputs equal eager's; `deaccelerate(model)` restores the original forward.
+    A parameter or buffer written between two runs of one graph (an optimizer step in a
+    test-time-adaptation loop) is pinned: its program is rebuilt once with it as an input.
+
+    `delegates`, `compile_after` and `quantize` are as in `capture`. Idempotent. Outputs equal
+    eager's (with `quantize`, eager's with the dequantized weights); `deaccelerate(model)`
+    restores the original forward.
     """
     if _ORIGINAL in model.__dict__:
         return model
+    _check_quantize(quantize)
+    name_tensors(model)
     original = model.forward
     buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
     replayer = Replayer(buffers)
@@ -89,14 +110,14 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
             leaves, spec = pytree.tree_flatten((args, kwargs))
             key = guard_key(model, leaves, spec)
         if key is None:
-            with session(delegates, buffers, compile_after=compile_after):
+            with session(delegates, buffers, compile_after=compile_after, quantize=quantize):
                 out = original(*args, **kwargs)
             return _real_outputs(out)  # after the session: its end runs the pending graph
         replayed, out = replayer.replay(key, leaves)
         if replayed:
             return out
         tracer = Tracer()
-        with session(delegates, buffers, tracer, compile_after):
+        with session(delegates, buffers, tracer, compile_after, quantize):
             out = original(*args, **kwargs)
         out = _real_outputs(out)
         if guard_key(model, leaves, spec) != key:  # the call changed an argument object's Python state
@@ -139,6 +160,24 @@ def profile() -> AbstractContextManager[Profile]:
     return _profile()
 
 
+def pin(x: torch.Tensor | torch.nn.Module) -> None:
+    """Mark a tensor, or every parameter of a module, as updated at test time (fast weights,
+    adapted parameters): never folded or quantized, and passed to delegates as an input on every
+    call. (A parameter written between two runs of a graph is pinned without asking.)"""
+    tensors = list(x.parameters()) if isinstance(x, torch.nn.Module) else [x]
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"pin() takes a tensor or a module with parameters, not {type(x).__name__}")
+    if isinstance(x, torch.nn.Module):
+        name_tensors(x)
+    for t in tensors:
+        _pin(t, "pinned by torchnative.pin()")
+
+
+def pinned() -> list[torch.Tensor]:
+    """Every live pinned tensor (by `pin`, or pinned because it changed between two runs)."""
+    return _pinned()
+
+
 def delegates() -> dict[str, Availability]:
     """Every delegate with its status here: `executes`, `compile-only` or `unavailable`, with the
     reason and an install hint when it is not fully usable."""
@@ -147,7 +186,8 @@ def delegates() -> dict[str, Availability]:
 
 def stats() -> dict:
     """Counters since the last reset: ops recorded, graphs built, program cache hits and misses,
-    graph runs, and sync points by reason."""
+    graph runs, sync points by reason, fallbacks, replays, tensors pinned (label → why) and
+    weights quantized (or why not)."""
     return events.STATS.as_dict()
 
 

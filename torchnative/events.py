@@ -54,6 +54,13 @@ class PartitionRun:
 
 
 @dataclass(frozen=True)
+class Pinned:
+    """A tensor was pinned: by `torchnative.pin`, or because it changed between two runs."""
+    label: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ReplayOutcome:
     outcome: str               # "replayed", "miss" (a guard failed) or "ineligible"
     reason: str = ""
@@ -71,13 +78,16 @@ class Stats:
     replays: int = 0                      # calls run from a trace, without recording
     replay_misses: int = 0                # a trace's guard failed; the call was recorded
     replay_ineligible: Counter = field(default_factory=Counter)  # why a call cannot be replayed
+    pinned: dict = field(default_factory=dict)          # tensor label -> why it is pinned
+    quantized: Counter = field(default_factory=Counter)  # "scheme: quantized" or why a weight was not
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
-                "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible)}
+                "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
+                "pinned": dict(self.pinned), "quantized": dict(self.quantized)}
 
 
 STATS = Stats()

@@ -364,9 +364,15 @@ class Recorder:
         for t in bases:
             t._value = by_slot[t._slot]
             t._slot = -1
-        with torch.no_grad():
-            for root, v in zip(roots, values[len(outputs):]):
-                root.copy_(v)
+        if roots:
+            # each in-place op already bumped its tensor's version above the door, as in eager;
+            # the write-back is not one of the user's ops (a kernel's own writes, like BatchNorm's
+            # running stats, bump nothing in eager), and autograd checks saved tensors' versions
+            versions = [r._version for r in roots]
+            with torch.no_grad():
+                for root, v in zip(roots, values[len(outputs):]):
+                    root.copy_(v)
+            torch._C._autograd._unsafe_set_version_counter(roots, versions)
         for t in pviews:
             base = t._vbase
             v = base._value if type(base) is LazyTensor else base

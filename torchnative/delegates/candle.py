@@ -693,7 +693,7 @@ def _interpreter(graph: CapturedGraph, folded: set[str], constants: dict, delega
     steps = []
     inputs = []
     for n, role in zip((n for n in graph.gm.graph.nodes if n.op == "placeholder"), graph.input_roles):
-        if role != "param":
+        if role not in ("param", "constant"):
             inputs.append(len(env0))
             slots[n] = len(env0)
             env0.append(None)

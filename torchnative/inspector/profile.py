@@ -35,11 +35,14 @@ def _sources(graph: Any) -> list[list]:
 
 def _tensors(graph: Any) -> list[dict]:
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
-    why = {"state": "written in place inside the graph; passed in and written back on every run",
-           "pinned": "pinned: updated at test time, never folded or quantized"}
-    return [{"graph": graph.key[:12], "name": p.name, "role": role, "shape": list(p.meta["val"].shape),
-             "dtype": str(p.meta["val"].dtype).removeprefix("torch."), "reason": why[role]}
-            for p, role in zip(placeholders, graph.input_roles) if role in why]
+    rows = []
+    for p, role in zip(placeholders, graph.input_roles):
+        if role not in ("state", "pinned"):
+            continue
+        name, why = p.meta.get("pinned") or (p.name, "written in place inside the graph; passed in and written back on every run")
+        rows.append({"graph": graph.key[:12], "name": name, "role": role, "shape": list(p.meta["val"].shape),
+                     "dtype": str(p.meta["val"].dtype).removeprefix("torch."), "reason": why})
+    return rows
 
 
 class Collector:

@@ -17,6 +17,8 @@ from torchnative.delegates import Delegate
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, partition
+from torchnative.passes import prepare
+from torchnative.passes.pin import pin
 
 
 class CapturedOpError(RuntimeError):
@@ -54,7 +56,7 @@ def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[Cap
         env[i].meta = dict(i.meta)
         role = parent.input_roles[values["index"][i]] if i in values["index"] else "input"
         roles.append(role)
-        if role == "param":
+        if role in ("param", "constant"):
             constants[i.name] = values["tensor"][i]
     for n in part.nodes:
         env[n] = g.node_copy(n, env.__getitem__)
@@ -91,15 +93,19 @@ def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
 
 
 class Program:
-    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor]):
+    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
+                 quantize: str | None = None):
         started = time.perf_counter()
+        graph, derived = prepare(graph, inputs, quantize)
         self.graph = graph
-        self.baked: list[tuple] = []  # (input index, weakref, version) of params a delegate baked in
+        self.extra = derived.tensors  # constants the passes computed, appended to every call's inputs
+        inputs = inputs + self.extra
         placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
         out_node = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
         self.run_fn: Callable = eager.load(eager.compile(graph))
         self.steps = [Step(EAGER, graph, placeholders, placeholders, list(out_node.args[0]), self.run_fn)]
         self.declined: tuple = ()  # (op, delegate, reason) of every node a delegate declined
+        baked: set[int] = set()
         if any(d.name != EAGER for d in delegates) and graph.op_nodes():
             plan = partition(graph.gm.graph, delegates)
             self.declined = _declined(graph, plan.declined)
@@ -110,7 +116,8 @@ class Program:
                 self.run_fn = self._run_steps
                 baked = {values["index"][n] for s in self.steps if s.delegate != EAGER for n in s.reads if n in values["index"]
                          and graph.input_roles[values["index"][n]] == "param"}
-                self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked)]
+        # params a delegate baked in or a pass computed from: (input index, weakref, version)
+        self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked | derived.sources)]
         events.emit(events.ProgramBuilt(self, time.perf_counter() - started))
 
     def stale(self) -> bool:
@@ -124,6 +131,10 @@ class Program:
                 return False
         return True
 
+    def changed(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Baked params that are the same tensors as when baked, written since (updated at test time)."""
+        return [inputs[i] for i, ref, version in self.baked if inputs[i] is ref() and inputs[i]._version != version]
+
     @property
     def partitions(self) -> tuple:
         return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
@@ -134,7 +145,7 @@ class Program:
         if name != EAGER:
             started = time.perf_counter()
             try:
-                runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role != "param"]
+                runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role not in ("param", "constant")]
                 run, size = _compile_in_clean_thread(delegates[name], sub)
                 return Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started, size)
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
@@ -165,6 +176,8 @@ class Program:
         return [env[n] for n in out_node.args[0]]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.extra:
+            inputs = inputs + self.extra
         try:
             with torch.no_grad():
                 if events.timing:
@@ -209,7 +222,7 @@ _runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
 
 
 def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
-                inputs: list[torch.Tensor], compile_after: int = 1) -> tuple[Program, bool]:
+                inputs: list[torch.Tensor], compile_after: int = 1, quantize: str | None = None) -> tuple[Program, bool]:
     """The compiled program for this graph key and these guards (baked params' identity and
     version), building it on a miss. Until the graph has run `compile_after` times it runs on
     eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
@@ -218,7 +231,7 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
         seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
         if seen < compile_after:
             delegates = (eager,)
-    key = (node, sig, delegates)
+    key = (node, sig, delegates, quantize)
     candidates = _programs.get(key)
     if candidates is None:
         candidates = _programs[key] = []
@@ -226,9 +239,13 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
         if p.valid_for(inputs):
             events.STATS.cache_hits += 1
             return p, True
+    for p in candidates:  # a weight written between two runs of this graph is updated at test time
+        for t in p.changed(inputs):
+            pin(t, f"written between two runs of graph {p.graph.key[:12]} (updated at test time): "
+                   f"now an input of every program, never baked, folded or quantized")
     events.STATS.cache_misses += 1
     candidates[:] = [p for p in candidates if not p.stale()]
-    p = Program(build_graph(node, sig), delegates, inputs)
+    p = Program(build_graph(node, sig), delegates, inputs, quantize)
     candidates.append(p)
     events.STATS.graphs_built += 1
     return p, False

@@ -13,9 +13,9 @@ from torchnative.runtime.replay import Tracer
 from torchnative.shim import DoorMode, current_handler, set_handler
 
 
-def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int):
+def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None):
     def execute(node: Node, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
-        program, hit = program_for(node, sig, delegates, inputs, compile_after)
+        program, hit = program_for(node, sig, delegates, inputs, compile_after, quantize)
         values = program(inputs)
         if tracer is not None:
             tracer.ran(program, inputs, values, roots)
@@ -27,10 +27,11 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
-            tracer: Tracer | None = None, compile_after: int = 1) -> Iterator[Recorder | None]:
+            tracer: Tracer | None = None, compile_after: int = 1, quantize: str | None = None) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
-    `tracer` watches the session for replay; `compile_after`: see `program_for`. Nested, the
-    outer session records and its settings hold."""
+    `tracer` watches the session for replay; `compile_after`: see `program_for`; `quantize`: a
+    weight quantization scheme (passes.quantize). Nested, the outer session records and its
+    settings hold."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
         if tracer is not None:
@@ -39,7 +40,7 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         outer.flush()
         return
     mode = DoorMode()
-    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after), mode, weights)
+    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize), mode, weights)
     if tracer is not None:
         recorder.observe = tracer.eager
     previous = set_handler(recorder)

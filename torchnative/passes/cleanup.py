@@ -1,0 +1,50 @@
+"""Common-subexpression elimination and dead-code elimination."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from torchnative.ir import CapturedGraph
+
+
+def _pure(n: fx.Node) -> bool:
+    target = n.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return n.op == "call_function"  # operator.getitem on a multi-output op
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def cse(graph: CapturedGraph) -> CapturedGraph:
+    """Replace each pure op that repeats an earlier one (same op, same arguments) by that one."""
+    seen: dict = {}
+    g = graph.gm.graph
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    escaping = set(out.all_input_nodes)  # two outputs must stay two tensors: one may be written
+    for n in list(g.nodes):
+        if n.op != "call_function" or not _pure(n):
+            continue
+        key = (n.target, repr(n.args), repr(sorted(n.kwargs.items())))
+        first = seen.setdefault(key, n)
+        if first is not n and not (n in escaping and first in escaping):
+            n.replace_all_uses_with(first)
+            g.erase_node(n)
+    return dce(graph)
+
+
+def hoist_placeholders(graph: CapturedGraph) -> CapturedGraph:
+    """Move every placeholder, in order, before the first op (capture interleaves them), so a
+    pass can add inputs after the last one and ops right after those."""
+    nodes = list(graph.gm.graph.nodes)
+    first_op = next((n for n in nodes if n.op != "placeholder"), None)
+    if first_op is not None:
+        for n in nodes[nodes.index(first_op):]:
+            if n.op == "placeholder":
+                first_op.prepend(n)
+    return graph
+
+
+def dce(graph: CapturedGraph) -> CapturedGraph:
+    """Drop ops whose values nothing uses (placeholders stay: they are the calling convention)."""
+    graph.gm.graph.eliminate_dead_code()
+    graph.gm.recompile()
+    return graph
