@@ -3,14 +3,11 @@
 pinned/state tensors never folded or quantized."""
 import copy
 
-import pytest
 import torch
-import torch.nn.functional as F
 
 import torchnative
 from torchnative import events
 from torchnative.passes.quantize import dequantized
-from torchnative.runtime.program import clear_caches
 
 DELEGATES = ["ort"]
 
