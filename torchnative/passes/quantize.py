@@ -6,6 +6,8 @@ groups of 32 along the input dimension (held in int8). Only `param` inputs; `pin
 checks. The candle k-quants (q8_0, q4k) are the `candle-q8_0`/`candle-q4k` delegates' own."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx as fx
 
@@ -18,7 +20,7 @@ SCHEMES = {"int8": (127, None), "int4": (7, 32)}  # (largest level, group size o
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default}
 _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.unsqueeze.default, aten.reshape.default}
-_cache: dict = {}  # (id, version, scheme) -> (tensor, q, scale)
+_cache: dict = {}  # (id, version, scheme) -> (weakref to the weight, q, scale)
 
 
 def _feeds_matmul(n: fx.Node) -> bool:
@@ -59,8 +61,8 @@ def why_not(w: torch.Tensor, scheme: str) -> str:
 def _cached(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     key = (id(w), w._version, scheme)
     hit = _cache.get(key)
-    if hit is None or hit[0] is not w:
-        hit = _cache[key] = (w, *quantize_tensor(w, scheme))
+    if hit is None or hit[0]() is not w:  # a weakref: the cache must not keep old weights alive
+        hit = _cache[key] = (weakref.ref(w), *quantize_tensor(w, scheme))
     return hit[1], hit[2]
 
 
