@@ -1,9 +1,13 @@
 import copy
+import os
 
 import pytest
 import torch
 
-import torchnative
+# compiled partitions are not shared between tests (or with the user's cache) unless a test asks
+os.environ.setdefault("TORCHNATIVE_CACHE_DIR", "off")
+
+import torchnative  # noqa: E402
 
 
 def _clone(x):

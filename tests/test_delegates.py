@@ -118,7 +118,7 @@ def test_a_graph_is_compiled_once_it_repeats():
     clear_caches()  # another test may have run this graph already
     x = torch.randn(8)
     placed = []
-    stop = torchnative.events.listen(lambda e: placed.append(e.partitions) if hasattr(e, "partitions") else None)
+    stop = torchnative.events.listen(lambda e: placed.append(e.partitions) if isinstance(e, torchnative.events.GraphRun) else None)
     try:
         torchnative.reset_stats()
         for _ in range(3):
@@ -153,3 +153,21 @@ def test_weights_changed_in_place_are_seen(delegate):
         second = model(x)
         ref = torchnative.deaccelerate(model)(x)
     assert torch.allclose(second, ref, atol=1e-6) and not torch.allclose(second, first)
+
+
+def test_grad_enabled_call_keeps_attention_logsumexp_out_of_ort():
+    """With grad enabled, autograd saves SDPA's logsumexp: a graph output that torchlib's
+    translation does not compute (it returned a wrong-shaped tensor), so ORT declines that node."""
+    model = models.build("bert")
+    model.config.use_cache = False
+    inputs = models.example_inputs("bert", model)
+    expected = model(**inputs).last_hidden_state
+    torchnative.accelerate(model, delegates=["ort"], compile_after=1)
+    try:
+        with torchnative.profile() as prof:
+            got = model(**inputs).last_hidden_state
+    finally:
+        torchnative.deaccelerate(model)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert got.requires_grad
+    assert any("logsumexp" in d["reason"] for d in prof.data["declined"])

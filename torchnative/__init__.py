@@ -13,6 +13,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative import events
+from torchnative.bundle import Bundle, BundleError
+from torchnative.bundle import load as _load
 from torchnative.delegates import REGISTRY, Availability
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
@@ -22,12 +24,13 @@ from torchnative.passes.pin import name_tensors
 from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
 from torchnative.passes.quantize import SCHEMES
+from torchnative.runtime import disk_cache
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.replay import Replayer, Tracer, guard_key
-from torchnative.runtime.session import session
+from torchnative.runtime.session import real_outputs, session
 from torchnative.shim import LazyTensor, current_handler
 
-__all__ = ["accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
+__all__ = ["load", "Bundle", "BundleError", "set_cache_dir", "accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
            "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -64,20 +67,6 @@ def _check_quantize(scheme: str | None) -> None:
         raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES)} or None")
 
 
-def _real_outputs(out: Any) -> Any:
-    """Model outputs as plain tensors where autograd does not need the lazy wrapper."""
-    if type(out) is LazyTensor:
-        return out if out.requires_grad else out._value
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return type(out)(_real_outputs(o) for o in out)
-    if isinstance(out, list):
-        return [_real_outputs(o) for o in out]
-    if isinstance(out, dict):  # includes transformers' ModelOutput (an OrderedDict)
-        for k, v in list(out.items()):
-            out[k] = _real_outputs(v)
-    return out
-
-
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
                replay: bool = True, compile_after: int = 2, quantize: str | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
@@ -112,14 +101,14 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         if key is None:
             with session(delegates, buffers, compile_after=compile_after, quantize=quantize):
                 out = original(*args, **kwargs)
-            return _real_outputs(out)  # after the session: its end runs the pending graph
+            return real_outputs(out)  # after the session: its end runs the pending graph
         replayed, out = replayer.replay(key, leaves)
         if replayed:
             return out
         tracer = Tracer()
         with session(delegates, buffers, tracer, compile_after, quantize):
             out = original(*args, **kwargs)
-        out = _real_outputs(out)
+        out = real_outputs(out)
         if guard_key(model, leaves, spec) != key:  # the call changed an argument object's Python state
             tracer.refuse("the call changed the Python state of an argument object")
         replayer.learn(key, tracer, leaves, out)
@@ -194,3 +183,19 @@ def stats() -> dict:
 def reset_stats() -> None:
     """Zero the counters of `stats()`."""
     events.STATS = events.Stats()
+
+
+def load(path: str) -> Bundle:
+    """Load a bundle written by `torchnative capture-and-compile` (a directory or a .zip): checks its
+    schema, every file's hash and that its delegates execute here (`BundleError` says what is wrong).
+    The returned callable takes the captured inputs by name and returns a dict of outputs; it runs
+    without the model's Python code."""
+    return _load(path)
+
+
+def set_cache_dir(path: str | None) -> None:
+    """Where `accelerate()` keeps compiled partitions across processes (default:
+    $TORCHNATIVE_CACHE_DIR, else $XDG_CACHE_HOME/torchnative or ~/.cache/torchnative); None turns
+    the disk cache off. Entries are keyed by graph, delegate, toolchain versions and baked weights;
+    a corrupt entry is rebuilt."""
+    disk_cache.set_directory(path)

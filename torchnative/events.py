@@ -44,6 +44,22 @@ class ProgramBuilt:
 
 
 @dataclass(frozen=True)
+class Partitioned:
+    """A graph was split over delegates; its partitions compile next."""
+    graph_key: str
+    partitions: tuple          # ((delegate, n_ops), ...) in execution order
+
+
+@dataclass(frozen=True)
+class PartitionCompiled:
+    """One partition of a program being built is ready (compiled, or left to eager)."""
+    step: Any                  # runtime.program.Step
+    graph_key: str
+    index: int
+    total: int                 # partitions in this program
+
+
+@dataclass(frozen=True)
 class PartitionRun:
     """One partition ran (emitted only while `timing` is on); start is `time.perf_counter()`."""
     step: Any                  # runtime.program.Step
@@ -80,6 +96,7 @@ class Stats:
     replay_ineligible: Counter = field(default_factory=Counter)  # why a call cannot be replayed
     pinned: dict = field(default_factory=dict)          # tensor label -> why it is pinned
     quantized: Counter = field(default_factory=Counter)  # "scheme: quantized" or why a weight was not
+    disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -87,7 +104,8 @@ class Stats:
                 "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
-                "pinned": dict(self.pinned), "quantized": dict(self.quantized)}
+                "pinned": dict(self.pinned), "quantized": dict(self.quantized),
+                "disk_cache": dict(self.disk_cache)}
 
 
 STATS = Stats()

@@ -34,10 +34,14 @@ YES = Support(True)
 
 @dataclass
 class Artifact:
-    """What `compile` produces: serializable bytes plus what `load` needs to run them."""
+    """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate
+    whose payload names weights instead of holding them (`external_weights`) lists them in
+    `constants`; whoever stores the payload (a bundle, the disk cache) stores or finds those
+    separately and hands them back to `load`."""
     delegate: str
     payload: bytes
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)    # JSON-serializable, except the in-memory-only eager/candle
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -45,6 +49,7 @@ Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 class Delegate(Protocol):
     name: str
+    external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)
 
     def available(self) -> Availability: ...
 

@@ -601,6 +601,8 @@ def _weight(n: fx.Node, value: torch.Tensor, quant: str | None) -> torch.Tensor 
 
 
 class Candle:
+    external_weights = False
+
     def __init__(self, name: str, quant: str | None = None):
         self.name, self.quant = name, quant
 

@@ -9,6 +9,7 @@ from torchnative.ir import CapturedGraph
 
 class Eager:
     name = "eager"
+    external_weights = False
 
     def available(self) -> Availability:
         return Availability("executes")

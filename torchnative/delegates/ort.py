@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import operator
 import warnings
 
 import torch
@@ -45,8 +46,27 @@ def _registry():
     return _registration.ONNXRegistry.from_torchlib()
 
 
+def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
+    """Initializers that are our baked weights become external references by name (their data is
+    handed to ONNX Runtime at load); the payload then holds the graph alone."""
+    import onnx
+    from onnx import external_data_helper
+
+    moved = []
+    for init in model.graph.initializer:
+        t = constants.get(init.name)
+        if t is not None and t.numel() > 1 and list(init.dims) == list(t.shape):
+            external_data_helper.set_external_data(init, location=f"{init.name}.weight")
+            for data in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                init.ClearField(data)
+            init.data_location = onnx.TensorProto.EXTERNAL
+            moved.append(init.name)
+    return moved
+
+
 class OnnxRuntime:
     name = "ort"
+    external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
@@ -71,6 +91,9 @@ class OnnxRuntime:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
         if node.target in _SDPA and _grouped_query(node):
             return Support(False, "torchlib's SDPA translation has no grouped-query attention (k/v heads != q heads)")
+        if node.target in _SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
+            return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
+                                  "logsumexp that autograd saves (the call runs with grad enabled)")
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
@@ -78,8 +101,11 @@ class OnnxRuntime:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False)
-        return Artifact(self.name, program.model_proto.SerializeToString(),
-                        {"n_outputs": len(graph.output_roles)})
+        model = program.model_proto
+        external = _externalize(model, graph.constants)
+        return Artifact(self.name, model.SerializeToString(),
+                        {"n_outputs": len(graph.output_roles), "external": sorted(external)},
+                        {n: graph.constants[n] for n in external})
 
     def load(self, artifact: Artifact) -> Runner:
         import onnxruntime as ort
@@ -92,11 +118,19 @@ class OnnxRuntime:
         # after the 14-op mask graph with spinning, 151 ms without (148 ms alone). A global pool
         # would fix it too but breaks every per-session-threads session in the user's process.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        missing = [n for n in artifact.meta.get("external", ()) if n not in artifact.constants]
+        if missing:
+            raise ValueError(f"the ONNX model names weights {missing[:3]} that were not given to load")
+        weights = {n: artifact.constants[n].detach().contiguous().numpy() for n in artifact.meta.get("external", ())}
+        values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]  # views of the tensors: no copy
+        if weights:
+            options.add_external_initializers(list(weights), values)
         session = ort.InferenceSession(artifact.payload, options, providers=["CPUExecutionProvider"])
         names = [i.name for i in session.get_inputs()]
         run = session.run
 
-        def runner(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        def runner(inputs: list[torch.Tensor], _keep=(weights, values)) -> list[torch.Tensor]:
+            # _keep: ONNX Runtime reads the weights in place; they must outlive the session
             feed = {n: t.detach().contiguous().numpy() for n, t in zip(names, inputs)}
             return [torch.from_numpy(v) for v in run(None, feed)]
 

@@ -13,12 +13,13 @@ import torch.fx as fx
 
 from torchnative import events
 from torchnative.capture.trie import Node, Signature, build_graph
-from torchnative.delegates import Delegate
+from torchnative.delegates import Artifact, Delegate
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
-from torchnative.partitioner import EAGER, Partition, partition
+from torchnative.partitioner import EAGER, Partition, Plan, partition
 from torchnative.passes import prepare
 from torchnative.passes.pin import pin
+from torchnative.runtime import disk_cache
 
 
 class CapturedOpError(RuntimeError):
@@ -37,6 +38,7 @@ class Step:
     run: Callable
     compile_s: float = 0.0
     artifact_bytes: int = 0
+    artifact: Artifact | None = None  # kept only for a program built to be saved (a bundle)
 
 
 def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[CapturedGraph, list, list]:
@@ -77,14 +79,38 @@ def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
 
 
-def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, int]:
+def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
+    """The partitioning, from the disk cache when an earlier process made it."""
+    entry = disk_cache.plan_key(graph, delegates) if disk_cache.directory() is not None else None
+    plan = disk_cache.get_plan(entry, graph.gm.graph) if entry else None
+    if plan is None:
+        plan = partition(graph.gm.graph, delegates)
+        if entry:
+            disk_cache.put_plan(entry, plan)
+    return plan
+
+
+def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, Artifact]:
     # A cut flushes from inside __torch_dispatch__, where torch has excluded the Python dispatch
     # key for this thread; tracing compilers (torch.export) need it, so they run on a thread
     # whose dispatch state is fresh.
-    def build():
-        artifact = delegate.compile(graph)
-        return delegate.load(artifact), len(artifact.payload)
-    return _compiler.submit(build).result()
+    return _compiler.submit(_build, delegate, graph).result()
+
+
+def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, Artifact]:
+    """Load from the disk cache, else compile (and store); a cached artifact that fails to load is
+    discarded and compiled again."""
+    entry = disk_cache.key(delegate, graph) if disk_cache.directory() is not None else None
+    artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry else None
+    if artifact is not None:
+        try:
+            return delegate.load(artifact), artifact
+        except Exception:
+            disk_cache.discard(entry)
+    artifact = delegate.compile(graph)
+    if entry:
+        disk_cache.put(entry, artifact)
+    return delegate.load(artifact), artifact
 
 
 def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
@@ -94,7 +120,8 @@ def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
 
 class Program:
     def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
-                 quantize: str | None = None):
+                 quantize: str | None = None, keep_artifacts: bool = False):
+        """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle."""
         started = time.perf_counter()
         graph, derived = prepare(graph, inputs, quantize)
         self.graph = graph
@@ -107,12 +134,14 @@ class Program:
         self.declined: tuple = ()  # (op, delegate, reason) of every node a delegate declined
         baked: set[int] = set()
         if any(d.name != EAGER for d in delegates) and graph.op_nodes():
-            plan = partition(graph.gm.graph, delegates)
+            plan = _plan(graph, delegates)
             self.declined = _declined(graph, plan.declined)
             if any(p.delegate != EAGER for p in plan.partitions):
                 values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
                 by_name = {d.name: d for d in delegates}
-                self.steps = [self._step(p, by_name, values) for p in plan.partitions]
+                parts = plan.partitions
+                events.emit(events.Partitioned(graph.key, tuple((p.delegate, len(p.nodes)) for p in parts)))
+                self.steps = [self._step(p, by_name, values, (i, len(parts)), keep_artifacts) for i, p in enumerate(parts)]
                 self.run_fn = self._run_steps
                 baked = {values["index"][n] for s in self.steps if s.delegate != EAGER for n in s.reads if n in values["index"]
                          and graph.input_roles[values["index"][n]] == "param"}
@@ -139,20 +168,24 @@ class Program:
     def partitions(self) -> tuple:
         return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
 
-    def _step(self, part: Partition, delegates: dict, values: dict) -> Step:
+    def _step(self, part: Partition, delegates: dict, values: dict, position: tuple[int, int], keep: bool) -> Step:
         sub, reads, outputs = _subgraph(self.graph, part, values)
         name = part.delegate
+        step = None
+        started = time.perf_counter()
         if name != EAGER:
-            started = time.perf_counter()
             try:
                 runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role not in ("param", "constant")]
-                run, size = _compile_in_clean_thread(delegates[name], sub)
-                return Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started, size)
+                run, artifact = _compile_in_clean_thread(delegates[name], sub)
+                step = Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started,
+                            len(artifact.payload), artifact if keep else None)
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
                 _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}",
                           self.graph.key, len(sub.op_nodes()))
-                name = EAGER
-        return Step(name, sub, reads, reads, outputs, eager.load(eager.compile(sub)))
+        if step is None:
+            step = Step(EAGER, sub, reads, reads, outputs, eager.load(eager.compile(sub)))
+        events.emit(events.PartitionCompiled(step, self.graph.key, *position))
+        return step
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
         env = dict(zip((n for n in self.graph.gm.graph.nodes if n.op == "placeholder"), inputs))

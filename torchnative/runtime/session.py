@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from torchnative import events
 from torchnative.capture.recorder import Recorder
@@ -10,7 +10,7 @@ from torchnative.capture.trie import Node, Signature
 from torchnative.delegates import Delegate, resolve
 from torchnative.runtime.program import program_for
 from torchnative.runtime.replay import Tracer
-from torchnative.shim import DoorMode, current_handler, set_handler
+from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 
 
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None):
@@ -52,3 +52,17 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
             recorder.flush()
         finally:
             set_handler(previous)
+
+
+def real_outputs(out: Any) -> Any:
+    """Model outputs as plain tensors where autograd does not need the lazy wrapper."""
+    if type(out) is LazyTensor:
+        return out if out.requires_grad else out._value
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return type(out)(real_outputs(o) for o in out)
+    if isinstance(out, list):
+        return [real_outputs(o) for o in out]
+    if isinstance(out, dict):  # includes transformers' ModelOutput (an OrderedDict)
+        for k, v in list(out.items()):
+            out[k] = real_outputs(v)
+    return out

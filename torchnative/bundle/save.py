@@ -1,0 +1,160 @@
+"""A compiled call → the files of a bundle (DESIGN.md §7). Every graph value gets a global name
+("g<program>.<node>"); the manifest says, per program, where its inputs come from, then its
+partitions in execution order with the values each reads and writes."""
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from torchnative.bundle.build import Compiled
+from torchnative.bundle.format import SCHEMA, WEIGHTS, BundleError, sha256, write
+from torchnative.delegates import toolchain
+from torchnative.delegates.eager import delegate as eager
+from torchnative.ir import CapturedGraph
+from torchnative.passes import pin
+from torchnative.runtime import replay
+from torchnative.runtime.program import Program, Step
+
+_EXTENSION = {"ort": "onnx", "xnnpack": "pte", "eager": "pt2"}
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _spec(t: torch.Tensor) -> dict:
+    return {"dtype": _dtype(t), "shape": list(t.shape)}
+
+
+def _range(t: torch.Tensor) -> dict:
+    """The example's value range of an integer input (token ids, a mask): `run --input x=random`
+    draws from it."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.numel() == 0:
+        return {}
+    return {"range": [int(t.min()), int(t.max())]}
+
+
+def _exported(graph: CapturedGraph) -> bytes:
+    """An eager partition as a serialized ExportedProgram taking every value it reads (weights
+    included: they are stored once, in the safetensors file)."""
+    plain = CapturedGraph(graph.gm, graph.input_roles, graph.output_roles)
+    buffer = io.BytesIO()
+    torch.export.save(plain.to_exported_program(), buffer)
+    return buffer.getvalue()
+
+
+class _Writer:
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
+        self.files: dict[str, bytes] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weight_ids: dict[int, str] = {}
+        self.originals: dict[str, torch.Tensor] = {}  # name -> the model's tensor (pinned or not)
+        self.values: list[list[str]] = []  # per program already written: its output values' names
+
+    def weight(self, t: torch.Tensor, fallback: str) -> str:
+        name = self.weight_ids.get(id(t))
+        if name is None:
+            name = self.compiled.weight_names.get(id(t), fallback)
+            self.weight_ids[id(t)] = name
+            self.originals[name] = t
+            self.weights[name] = t.detach().contiguous().clone()
+        return name
+
+    def source(self, src: tuple, k: int, i: int) -> dict:
+        kind = src[0]
+        if kind == "arg":
+            return {"arg": list(self.compiled.inputs)[src[1]]}
+        if kind == "out":
+            return {"value": self.values[src[1]][src[2]]}
+        if kind == "view":
+            return {"view": self.source(src[1], k, i), "shape": list(src[2]), "stride": list(src[3]), "offset": src[4]}
+        if kind == "const":
+            return {"weight": self.weight(src[1], f"constants.g{k}.in{i}")}
+        if kind == "py":
+            return {"py": src[1]}
+        raise BundleError(f"an input of graph {k} comes from {kind!r}, which a bundle cannot hold")
+
+    def partition(self, k: int, j: int, step: Step, name: Callable[[fx.Node], str]) -> dict:
+        constants: dict[str, str] = {}  # the artifact's name for a weight -> the bundle's
+        if step.delegate == eager.name:
+            payload, meta = _exported(step.graph), {}
+        else:
+            payload, meta = step.artifact.payload, step.artifact.meta
+            constants = {local: self.weight(t, f"constants.g{k}.p{j}.{local}") for local, t in step.artifact.constants.items()}
+            try:
+                json.dumps(meta)
+            except TypeError as e:
+                raise BundleError(f"delegate {step.delegate!r} keeps Python objects in its artifacts ({e}); it "
+                                  f"cannot be saved in a bundle yet: choose other --targets (ort, xnnpack)") from e
+        path = f"partitions/g{k}_p{j}_{step.delegate}.{_EXTENSION.get(step.delegate, 'bin')}"
+        self.files[path] = payload
+        return {"delegate": step.delegate, "artifact": path, "bytes": len(payload), "sha256": sha256(payload),
+                "meta": meta, "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
+                "inputs": [name(n) for n in step.inputs],
+                "outputs": [{"value": name(n), "stride": list(n.meta["val"].stride()), **_spec(n.meta["val"])}
+                            for n in step.outputs],
+                "compile_s": round(step.compile_s, 3)}
+
+    def program(self, k: int, trace_step: replay.Step) -> dict:
+        program: Program = trace_step.program
+        name = lambda n: f"g{k}.{n.name}"  # noqa: E731
+        placeholders = [n for n in program.graph.gm.graph.nodes if n.op == "placeholder"]
+        out_node = next(n for n in reversed(program.graph.gm.graph.nodes) if n.op == "output")
+        # a value only delegates read is compiled into their artifacts: the bundle need not carry it
+        needed = {n for s in program.steps for n in s.inputs} | set(out_node.args[0])
+        sources = [*trace_step.sources, *(("const", t) for t in program.extra)]
+        inputs = [{"value": name(n), "from": self.source(s, k, i)}
+                  for i, (n, s) in enumerate(zip(placeholders, sources)) if n in needed]
+        outputs = [name(n) for n in out_node.args[0]]
+        self.values.append(outputs)
+        checks = []
+        for j, expected in trace_step.reads:
+            node = out_node.args[0][j]
+            filename, line = node.meta.get("stack") or ("<unknown>", 0)
+            checks.append({"value": outputs[j], "equals": expected, "op": str(node.target), "at": f"{filename}:{line}"})
+        return {"key": program.graph.key, "inputs": inputs,
+                "partitions": [self.partition(k, j, s, name) for j, s in enumerate(program.steps)],
+                "outputs": outputs, "checks": checks}
+
+    def files_and_manifest(self, model: str) -> dict[str, bytes]:
+        from safetensors.torch import save
+
+        programs = [self.program(k, s) for k, s in enumerate(self.compiled.trace.steps)]
+        outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(self.compiled.output_names, self.compiled.trace.outputs))]
+        self.files[WEIGHTS] = save(self.weights)
+        delegates = {p["delegate"] for g in programs for p in g["partitions"]}
+        manifest = {
+            "schema": SCHEMA, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "toolchain": toolchain(delegates),
+            "inputs": [{"name": n, **_spec(t), **_range(t)} for n, t in self.compiled.inputs.items()],
+            "outputs": outputs,
+            "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),
+                        "tensors": {n: _spec(t) for n, t in self.weights.items()}},
+            "pinned": [{"name": n, "reason": pin.reason(t)} for n, t in self.originals.items() if pin.is_pinned(t)],
+            "state": [],
+            "programs": programs,
+        }
+        self.files["manifest.json"] = json.dumps(manifest, indent=1).encode()
+        return self.files
+
+
+def bundle_files(compiled: Compiled, model: str) -> dict[str, bytes]:
+    """The bundle's files by name; `model` describes where it came from (for the manifest)."""
+    return _Writer(compiled).files_and_manifest(model)
+
+
+def save(compiled: Compiled, path: str | Path, model: str,
+         on_file: Callable[[str, int], None] = lambda name, size: None) -> tuple[Path, dict[str, bytes]]:
+    """Write the bundle at `path` (a directory, or a zip file if it ends in .zip); returns the path
+    and the files written."""
+    files = bundle_files(compiled, model)
+    path = Path(path)
+    write(path, files, on_file)
+    return path, files

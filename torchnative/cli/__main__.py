@@ -1,0 +1,5 @@
+import sys
+
+from torchnative.cli import main
+
+sys.exit(main())

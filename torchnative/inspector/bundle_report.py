@@ -1,0 +1,63 @@
+"""A bundle's manifest as tables: what was captured, how it is partitioned, what each file holds,
+and whether every file still matches its hash."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterator
+
+from rich.table import Table
+from rich.text import Text
+
+from torchnative.bundle.format import Reader, sha256
+from torchnative.inspector.report import short_path
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for c in columns:
+        table.add_column(c)
+    return table
+
+
+def _integrity(reader: Reader, spec: dict, name: str) -> str:
+    if not reader.has(name):
+        return "MISSING"
+    data = reader.read(name)
+    if len(data) != spec["bytes"]:
+        return f"TRUNCATED or replaced ({len(data)} of {spec['bytes']} bytes)"
+    return "ok" if sha256(data) == spec["sha256"] else "HASH MISMATCH: modified or corrupted"
+
+
+def bundle_tables(path: str) -> Iterator[Table | Text]:
+    reader = Reader(path)
+    m = reader.manifest()
+    yield Text(f"bundle {path}: {m['model']}, written {m['created']} (schema {m['schema']})\n"
+               f"toolchain: " + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()))
+    io = _table("inputs and outputs", "", "name", "dtype / source", "shape")
+    for i in m["inputs"]:
+        io.add_row("input", i["name"], i["dtype"], str(i["shape"]))
+    for o in m["outputs"]:
+        io.add_row("output", o["name"], next(iter(o["from"])), "")
+    yield io
+    parts = _table("partitions in execution order", "graph", "#", "delegate", "ops", "KiB", "compile s", "top ops", "file")
+    per = Counter()
+    for k, g in enumerate(m["programs"]):
+        for j, p in enumerate(g["partitions"]):
+            top = ", ".join(f"{n}× {op.removeprefix('aten.')}" for op, n in Counter(p["op_counts"]).most_common(3))
+            parts.add_row(str(k), str(j), p["delegate"], str(p["ops"]), f"{p['bytes'] / 1024:.0f}", f"{p['compile_s']:.2f}",
+                          top, _integrity(reader, p, p["artifact"]))
+            per[p["delegate"]] += p["ops"]
+    yield parts
+    total = sum(per.values()) or 1
+    yield Text("op coverage: " + ", ".join(f"{d} {100 * n / total:.0f}%" for d, n in per.most_common()))
+    w = m["weights"]
+    checks = [c for g in m["programs"] for c in g["checks"]]
+    extra = _table("weights, pinned tensors and path checks", "what", "detail")
+    extra.add_row(w["file"], f"{w['bytes'] / 1024:.0f} KiB, {len(w['tensors'])} tensors, "
+                              f"{_integrity(reader, w, w['file'])}")
+    for p in m["pinned"]:
+        extra.add_row(f"pinned {p['name']}", p["reason"])
+    for c in checks:
+        filename, _, line = c["at"].rpartition(":")
+        extra.add_row("path check", f"{c['op']} at {short_path(filename, int(line or 0))} must read {c['equals']!r}")
+    yield extra
