@@ -150,3 +150,129 @@ def test_weight_written_between_runs_is_pinned_once():
     s = torchnative.stats()
     assert list(s["pinned"]) == ["0.weight"] and "written between two runs" in s["pinned"]["0.weight"]
     assert s["graphs_built"] - built_before == 1, "one rebuild, then the pinned program serves every update"
+
+
+# -- fast weights: a TTT-Linear-style layer ------------------------------------------------------
+class FastWeights:
+    """Carried across calls: per batch and head, the fast weight W [d, d]."""
+
+    def __init__(self):
+        self.W = None
+
+
+class TTTLinear(torch.nn.Module):
+    """Per head a fast weight W, updated inside forward by the closed-form gradient of the
+    reconstruction loss ||k W - v||² / b over each mini-batch of b tokens (no autograd), then read
+    by the queries of that mini-batch."""
+
+    def __init__(self, dim=32, heads=2, mini_batch=4, lr=0.5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.d, self.b, self.lr = heads, dim // heads, mini_batch, lr
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+        self.W0 = torch.nn.Parameter(torch.randn(heads, self.d, self.d) * 0.1)  # initial fast weight
+
+    def forward(self, x, state: FastWeights):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.d).permute(2, 0, 3, 1, 4)  # [B, H, T, d] each
+        k = k / k.norm(dim=-1, keepdim=True)
+        W = state.W if state.W is not None else self.W0.expand(B, -1, -1, -1)
+        outs = []
+        for s in range(0, T, self.b):
+            kb, vb, qb = k[:, :, s:s + self.b], v[:, :, s:s + self.b], q[:, :, s:s + self.b]
+            grad = (2.0 / self.b) * kb.transpose(-1, -2) @ (kb @ W - vb)
+            W = W - self.lr * grad
+            outs.append(qb @ W)
+        state.W = W
+        y = torch.cat(outs, dim=2).transpose(1, 2).reshape(B, T, -1)
+        return self.out(y)
+
+
+def _stream(model, chunks):
+    state, outs = FastWeights(), []
+    with torch.no_grad():
+        for c in chunks:
+            outs.append(model(c, state))
+    return outs, state.W
+
+
+def test_fast_weights_stream_like_eager_and_are_never_quantized():
+    g = torch.Generator().manual_seed(5)
+    chunks = [torch.randn(2, 8, 32, generator=g) for _ in range(8)]
+    eager = TTTLinear()
+    expected, expected_W = _stream(eager, chunks)
+    # fp32: every chunk's output and the carried fast weights equal eager's
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=DELEGATES)
+    got, W = _stream(model, chunks)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(W, expected_W, rtol=1e-4, atol=1e-5)
+    # int8: the projections are quantized, the fast weight never is: the result equals eager run
+    # with the dequantized projection weights, however far W drifts over the 8 chunks
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=DELEGATES, quantize="int8")
+    reference = copy.deepcopy(eager)
+    with torch.no_grad():
+        for lin in (reference.qkv, reference.out):
+            lin.weight.copy_(dequantized(lin.weight, "int8"))
+    streamed = []
+    built = _programs_built(lambda: streamed.append(_stream(model, chunks)))
+    got, W = streamed[0]
+    expected, expected_W = _stream(reference, chunks)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(W, expected_W, rtol=1e-4, atol=1e-5)
+    # in the compiled graph of a later chunk, W ([B, H, d, d]) is a float runtime input that feeds
+    # matmuls directly: not baked, folded or quantized
+    graph = built[-1].program.graph
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    fast = [(p, r) for p, r in zip(placeholders, graph.input_roles) if list(p.meta["val"].shape) == [2, 2, 16, 16]]
+    assert len(fast) == 1 and fast[0][1] == "input" and fast[0][0].meta["val"].dtype == torch.float32
+    assert {u.target for u in fast[0][0].users} <= {torch.ops.aten.expand.default, torch.ops.aten.view.default,
+                                                     torch.ops.aten.bmm.default, torch.ops.aten.sub.Tensor}
+    assert sum(p.meta["val"].dtype == torch.int8 for p in placeholders) == 2  # qkv and out weights
+
+
+# -- LLM decode with a StaticCache -----------------------------------------------------------------
+def test_static_cache_decode_reuses_one_compiled_graph_and_cache_buffers_are_state():
+    from torchnative import models
+
+    model = models.build("gpt2")
+    ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
+    kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, cache_implementation="static")
+    expected = model.generate(ids, **kwargs)
+    torchnative.accelerate(model, delegates=DELEGATES, replay=False)  # every step recorded at the door
+    runs = []
+    stop = events.listen(lambda e: runs.append(e) if isinstance(e, events.GraphRun) else None)
+    try:
+        torchnative.reset_stats()
+        got = model.generate(ids, **kwargs)
+    finally:
+        stop()
+        torchnative.deaccelerate(model)
+    assert torch.equal(got, expected)
+    steps = kwargs["max_new_tokens"] - 1  # decode steps after the prefill
+    decode = [r for r in runs if "state" in r.graph.input_roles and r.graph.input_roles.count("state") >= 4]
+    keys = {r.graph.key for r in decode}
+    built = torchnative.stats()["graphs_built"]
+    print(f"StaticCache decode: {steps} steps, {len(decode)} graph runs writing the cache, "
+          f"{len(keys)} distinct decode graph(s), {built} programs built in all")
+    # the decode graph writes 2 layers × (key, value) cache buffers in place: state, written back
+    assert all(r.graph.output_roles.count("state_update") == r.graph.input_roles.count("state") for r in decode)
+    assert len(decode) >= steps and len(keys) == 1, "one decode graph, reused by every step"
+    assert all(r.partitions and any(d == "ort" for d, _ in r.partitions) for r in decode[2:])
+
+
+def test_explain_and_stats_name_pinned_and_state_tensors():
+    model = _resnet_classifier().train()  # BatchNorm statistics are written inside the graph
+    torchnative.pin(model.classifier)
+    with torch.no_grad():
+        e = torchnative.explain(model, pixel_values=_batches(1)[0])
+    tensors = e.updatable
+    state = {n for n, (role, _) in tensors.items() if role == "state"}
+    assert "resnet.embedder.embedder.normalization.running_mean" in state
+    assert len(state) == 3 * sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert tensors["classifier.1.weight"] == ("pinned", "pinned by torchnative.pin()")
+    text = str(e)
+    assert "state resnet.embedder.embedder.normalization.running_var: written in place inside the graph" in text
+    assert "pinned classifier.1.weight: pinned by torchnative.pin()" in text

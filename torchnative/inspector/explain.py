@@ -5,17 +5,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from torchnative import events
 from torchnative.ir import CapturedGraph
+from torchnative.passes.pin import name_tensors, updatable
 
 
 @dataclass
 class Explanation:
     graphs: list[CapturedGraph] = field(default_factory=list)
     partitions: list[tuple] = field(default_factory=list)  # per graph: ((delegate, n_ops), ...)
+    programs: list = field(default_factory=list)           # per graph: its runtime.program.Program
     breaks: list[events.GraphBreak] = field(default_factory=list)
     fallbacks: list[events.Fallback] = field(default_factory=list)
     output: Any = None
+
+    @property
+    def updatable(self) -> dict[str, tuple[str, str]]:
+        """Pinned and state tensors of the graphs: name -> (role, why)."""
+        return {t["name"]: (t["role"], t["reason"]) for g in self.programs for t in updatable(g.graph)}
 
     @property
     def op_counts(self) -> Counter:
@@ -34,6 +43,8 @@ class Explanation:
             where = " → ".join(f"{d} {n}" for d, n in parts)
             lines.append(f"  graph {i}: {len(g.op_nodes())} ops [{where}], inputs {_roles(g.input_roles)}, "
                          f"outputs {_roles(g.output_roles)}")
+        for name, (role, why) in self.updatable.items():
+            lines.append(f"  {role} {name}: {why}")
         for b in self.breaks:
             lines.append(f"  break at {b.filename}:{b.line}: {b.reason}")
         for f in self.fallbacks:
@@ -52,11 +63,14 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
     from torchnative.runtime.session import session  # the inspector only listens; this runs fn
 
     result = Explanation()
+    if isinstance(fn, torch.nn.Module):
+        name_tensors(fn)  # reports name its parameters and buffers
 
     def on_event(e: Any) -> None:
         if isinstance(e, events.GraphRun):
             result.graphs.append(e.graph)
             result.partitions.append(e.partitions)
+            result.programs.append(e.program)
         elif isinstance(e, events.GraphBreak):
             result.breaks.append(e)
         elif isinstance(e, events.Fallback):

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import torch
 
 from torchnative import events
+from torchnative.passes.pin import updatable
 
 SCHEMA = 1
 
@@ -31,18 +32,6 @@ def _sources(graph: Any) -> list[list]:
     """User source lines of a graph's ops, most ops first: [file, line, ops]."""
     counts = Counter(tuple(n.meta.get("stack") or ("<unknown>", 0)) for n in graph.op_nodes())
     return [[f, line, k] for (f, line), k in counts.most_common()]
-
-
-def _tensors(graph: Any) -> list[dict]:
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
-    rows = []
-    for p, role in zip(placeholders, graph.input_roles):
-        if role not in ("state", "pinned"):
-            continue
-        name, why = p.meta.get("pinned") or (p.name, "written in place inside the graph; passed in and written back on every run")
-        rows.append({"graph": graph.key[:12], "name": name, "role": role, "shape": list(p.meta["val"].shape),
-                     "dtype": str(p.meta["val"].dtype).removeprefix("torch."), "reason": why})
-    return rows
 
 
 class Collector:
@@ -100,7 +89,7 @@ class Collector:
         tensors: list[dict] = []
         for program in self.programs.values():
             declined.update(program.declined)
-            tensors += _tensors(program.graph)
+            tensors += updatable(program.graph)
         runs = self.graph_runs
         counters = {
             "ops_recorded": sum(r.n_ops_recorded for r in runs),

@@ -27,9 +27,12 @@ _names: dict[int, tuple[weakref.ref, str]] = {}  # id -> (tensor, "module.param"
 
 
 def name_tensors(module: torch.nn.Module) -> None:
-    """Remember parameter and buffer names of `module`, so reports name what they pin."""
+    """Remember parameter and buffer names of `module`, so reports name what they pin. The most
+    qualified name wins: naming a submodule after its model keeps the model's names."""
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        _names[id(t)] = (weakref.ref(t), name)
+        known = _names.get(id(t))
+        if known is None or known[0]() is not t or len(name) > len(known[1]):
+            _names[id(t)] = (weakref.ref(t), name)
 
 
 def label(t: torch.Tensor) -> str:
@@ -63,13 +66,31 @@ def reason(t: torch.Tensor) -> str:
     return _pins[id(t)].reason if is_pinned(t) else ""
 
 
+STATE_REASON = "written in place inside the graph: an input of every run, its new value written back after it"
+
+
 def apply_pins(graph: CapturedGraph, inputs: list[torch.Tensor]) -> CapturedGraph:
-    """`param` inputs that are pinned take the role `pinned`."""
+    """`param` inputs that are pinned take the role `pinned`; pinned and state placeholders are
+    labelled (meta "updatable": (label, why)) for reports."""
     roles = ["pinned" if r == "param" and is_pinned(x) else r for r, x in zip(graph.input_roles, inputs)]
-    if roles == graph.input_roles:
-        return graph
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     for p, r, x in zip(placeholders, roles, inputs):
         if r == "pinned":
-            p.meta["pinned"] = (label(x), reason(x))
+            p.meta["updatable"] = (label(x), reason(x))
+        elif r == "state":
+            p.meta["updatable"] = (label(x), STATE_REASON)
+    if roles == graph.input_roles:
+        return graph
     return CapturedGraph(graph.gm, roles, graph.output_roles, graph.constants)
+
+
+def updatable(graph: CapturedGraph) -> list[dict]:
+    """The graph's pinned and state inputs: name, role, shape, dtype and why (for reports)."""
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    rows = []
+    for p, role in zip(placeholders, graph.input_roles):
+        if role in ("state", "pinned"):
+            name, why = p.meta.get("updatable") or (p.name, STATE_REASON)
+            rows.append({"graph": graph.key[:12], "name": name, "role": role, "shape": list(p.meta["val"].shape),
+                         "dtype": str(p.meta["val"].dtype).removeprefix("torch."), "reason": why})
+    return rows
