@@ -31,6 +31,10 @@ def _plain(x):
         lambda t: t.materialize("compare") if type(t) is torchnative.LazyTensor else t, x)
 
 
+REL_L2: float | None = None  # --rel-l2: a quantizing delegate is compared by relative L2 error
+WORST = [0.0]                 # the largest relative L2 error accepted under --rel-l2
+
+
 def _same(a, b) -> str | None:
     ta, tb = torch.utils._pytree.tree_flatten(a), torch.utils._pytree.tree_flatten(b)
     if ta[1] != tb[1]:
@@ -41,6 +45,12 @@ def _same(a, b) -> str | None:
         if isinstance(x, torch.Tensor):
             if x.dtype != y.dtype or x.shape != y.shape:
                 return f"meta {x.dtype}{list(x.shape)} != {y.dtype}{list(y.shape)}"
+            if REL_L2 is not None and x.dtype.is_floating_point and x.numel():
+                err = ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-12)).item()
+                if not err <= REL_L2:
+                    return f"relative L2 error {err:.3g} > {REL_L2}"
+                WORST[0] = max(WORST[0], err)
+                continue
             try:
                 torch.testing.assert_close(x, y, equal_nan=True)
             except AssertionError as e:
@@ -62,13 +72,18 @@ def run_sample(op, sample, delegates=None) -> tuple[str, str]:
         return "skip", f"eager raises {type(e).__name__}"
     cargs, ckw = _clone((args, kwargs))
     torchnative.reset_stats()
+    placed = []
+    stop = torchnative.events.listen(lambda e: placed.extend(
+        d for d, _ in e.partitions) if isinstance(e, torchnative.events.GraphRun) else None)
     try:
         torch.manual_seed(0)
         with torchnative.capture(delegates, compile_after=1):
             got = op.op(*cargs, **ckw)
         got = _plain(got)
     except Exception as e:
+        stop()
         return "fail", f"capture raises {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    stop()
     # both sides through the same tree_map, which also normalizes containers (Size -> tuple)
     why = _same(got, _plain(expected)) or _same(_plain((cargs, ckw)), _plain((eargs, ekw)))
     if why:
@@ -76,13 +91,13 @@ def run_sample(op, sample, delegates=None) -> tuple[str, str]:
     fallbacks = torchnative.stats()["fallbacks"]
     if fallbacks:  # claimed by a delegate that then could not compile or run it
         return "fallback", "; ".join(fallbacks)[:300]
-    return "pass", ""
+    return "pass", "delegated" if any(d != "eager" for d in placed) else ""
 
 
 def sweep(max_samples: int | None, names: set[str] | None = None, delegates=None) -> dict:
     from torch.testing._internal.common_methods_invocations import op_db
 
-    results = {"pass": 0, "fail": 0, "skip": 0, "fallback": 0, "failures": [], "fallbacks": []}
+    results = {"pass": 0, "fail": 0, "skip": 0, "fallback": 0, "failures": [], "fallbacks": [], "delegated": []}
     for op in op_db:
         if names is not None and op.name not in names:
             continue
@@ -95,6 +110,8 @@ def sweep(max_samples: int | None, names: set[str] | None = None, delegates=None
         for i, sample in enumerate(samples[:max_samples]):
             status, detail = run_sample(op, sample, delegates)
             results[status] += 1
+            if detail == "delegated":
+                results["delegated"].append(f"{op.name}[{op.variant_test_name}]#{i}")
             if status in ("fail", "fallback"):
                 results[status + "s" if status == "fallback" else "failures"].append(
                     f"{op.name}[{op.variant_test_name}]#{i}: {detail}")
@@ -107,10 +124,14 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--delegates", default=None, help="comma-separated, e.g. ort")
     p.add_argument("--ops", default=None, help="comma-separated OpInfo names (default: all)")
+    p.add_argument("--rel-l2", type=float, default=None, help="compare floats by relative L2 error (quantizing delegates)")
     a = p.parse_args()
+    global REL_L2
+    REL_L2 = a.rel_l2
     t = time.time()
     r = sweep(a.samples, set(a.ops.split(",")) if a.ops else None, a.delegates.split(",") if a.delegates else None)
     r["seconds"] = round(time.time() - t, 1)
+    r["worst_rel_l2"] = WORST[0] if REL_L2 is not None else None
     ran = r["pass"] + r["fail"] + r["fallback"]
     r["pass_rate"] = r["pass"] / ran if ran else 0.0
     text = json.dumps(r, indent=1)

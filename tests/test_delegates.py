@@ -17,7 +17,7 @@ from torchnative.delegates.base import YES, Availability
 SWEEP = Path(__file__).with_name("opinfo_sweep.py")
 # Quantized variants are inexact by design: tests/test_candle.py checks them against float32 with
 # a measured bound; the exact tests that take EXECUTING leave them out.
-QUANTIZED = {"candle-q8_0", "candle-q4k"}
+QUANTIZED = {"candle-q8_0", "candle-q4k", "qnn"}  # qnn: tests/test_qnn.py
 EXECUTING = [name for name, d in REGISTRY.items()
              if name != "eager" and name not in QUANTIZED and d.available().status == "executes"]
 # Delegates whose claims are not yet exact: XnnpackPartitioner's constraints depend on context

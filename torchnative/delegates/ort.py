@@ -64,6 +64,15 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
     return moved
 
 
+def to_onnx(graph: CapturedGraph):
+    """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
+    constants are initializers named like their placeholders."""
+    exported = graph.to_exported_program()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False).model_proto
+
+
 class OnnxRuntime:
     name = "ort"
     external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
@@ -97,11 +106,7 @@ class OnnxRuntime:
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
-        exported = graph.to_exported_program()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False)
-        model = program.model_proto
+        model = to_onnx(graph)
         external = _externalize(model, graph.constants)
         return Artifact(self.name, model.SerializeToString(),
                         {"n_outputs": len(graph.output_roles), "external": sorted(external)},

@@ -57,14 +57,22 @@ def _toolchain(*delegates: str) -> str:
 
 
 def key(delegate: Delegate, graph: CapturedGraph) -> str:
-    """Graph, delegate, toolchain, and the baked weights' values unless the artifact holds none."""
+    """Graph, delegate, toolchain, the baked weights' values unless the artifact holds none, and
+    the calibration samples of a delegate that calibrates."""
     h = hashlib.sha256(f"{_FORMAT}\0{delegate.name}\0{graph.key}\0{_toolchain(delegate.name)}".encode())
     for name in sorted(graph.constants):
-        t = graph.constants[name].detach()
+        t = graph.constants[name]
         h.update(f"\0{name}{t.dtype}{tuple(t.shape)}".encode())
         if t.numel() and not delegate.external_weights:
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            h.update(_bytes(t))
+    for t in graph.samples or ():  # a calibrating delegate's artifact depends on the values it saw
+        if isinstance(t, torch.Tensor) and t.numel():
+            h.update(_bytes(t))
     return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def _count(what: str) -> None:
@@ -167,3 +175,32 @@ def put_plan(entry: str, plan: Plan) -> None:
     text = json.dumps({"partitions": [(p.delegate, [n.name for n in p.nodes]) for p in plan.partitions],
                        "declined": plan.declined})
     _write(folder, f"{entry}.plan", text.encode())
+
+
+_tables: dict[str, dict] = {}
+
+
+def table(name: str) -> dict:
+    """A small JSON table kept across processes (a delegate's answers about which ops it takes),
+    for the current toolchain of every delegate."""
+    if name not in _tables:
+        _tables[name] = {}
+        folder = directory()
+        path = folder / f"{name}-{_table_version()}.json" if folder is not None else None
+        if path is not None and path.exists():
+            try:
+                _tables[name] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                _discard(path.name)
+    return _tables[name]
+
+
+def remember(name: str, key: str, value) -> None:
+    table(name)[key] = value
+    folder = directory()
+    if folder is not None:
+        _write(folder, f"{name}-{_table_version()}.json", json.dumps(_tables[name]).encode())
+
+
+def _table_version() -> str:
+    return hashlib.sha256(_toolchain("qnn", "ort").encode()).hexdigest()[:16]

@@ -64,7 +64,24 @@ def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[Cap
         env[n] = g.node_copy(n, env.__getitem__)
     g.output([env[o] for o in outputs])
     sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"] * len(outputs), constants)
+    if "sample" in values:
+        sub.samples = [values["sample"][i] for i in reads]
     return sub, reads, outputs
+
+
+def _sample_values(graph: CapturedGraph, inputs: list[torch.Tensor]) -> dict[fx.Node, object]:
+    """Every node's value on the inputs the graph was built for (one eager run): calibration
+    data for delegates that quantize activations."""
+    seen: dict[fx.Node, object] = {}
+
+    class _Keep(fx.Interpreter):
+        def run_node(self, n):
+            seen[n] = super().run_node(n)
+            return seen[n]
+
+    with torch.no_grad():
+        _Keep(graph.gm).run(*inputs)
+    return seen
 
 
 def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
@@ -128,6 +145,8 @@ class Program:
         self.extra = derived.tensors  # constants the passes computed, appended to every call's inputs
         inputs = inputs + self.extra
         placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+        for p, role in zip(placeholders, graph.input_roles):
+            p.meta["role"] = role  # delegates' supports() may depend on it (a weight is quantized differently)
         out_node = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
         self.run_fn: Callable = eager.load(eager.compile(graph))
         self.steps = [Step(EAGER, graph, placeholders, placeholders, list(out_node.args[0]), self.run_fn)]
@@ -138,6 +157,8 @@ class Program:
             self.declined = _declined(graph, plan.declined)
             if any(p.delegate != EAGER for p in plan.partitions):
                 values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
+                if any(getattr(d, "calibrates", False) for d in delegates):
+                    values["sample"] = _sample_values(graph, inputs)
                 by_name = {d.name: d for d in delegates}
                 parts = plan.partitions
                 events.emit(events.Partitioned(graph.key, tuple((p.delegate, len(p.nodes)) for p in parts)))

@@ -1,0 +1,94 @@
+"""The `qnn` delegate (Hexagon HTP through ONNX Runtime's QNN execution provider, simulated on
+this CPU): its claimed ops executed and compared with eager by relative L2 error (activations are
+quantized to uint16, weights to int8), the models end to end, and the compiled context binary."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchnative
+from torchnative import events, models
+from torchnative.delegates import REGISTRY
+from torchnative.runtime.program import clear_caches
+
+from tests.test_delegates import OPS, SWEEP
+
+pytestmark = pytest.mark.skipif(REGISTRY["qnn"].available().status != "executes",
+                                reason=f"qnn: {REGISTRY['qnn'].available().reason}")
+REL_L2 = 0.02  # per op; the worst seen here is ~0.005
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One disk cache for the module: which ops HTP takes is probed once."""
+    path = tmp_path_factory.mktemp("qnn-cache")
+    torchnative.set_cache_dir(path)
+    yield path
+    torchnative.set_cache_dir(None)
+    clear_caches()
+
+
+def test_claimed_ops_match_eager_within_quantization_error(cache, tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "1", "--delegates", "qnn", "--rel-l2", str(REL_L2),
+                           "--ops", ",".join(OPS), "--out", str(out)], capture_output=True, text=True, timeout=1800,
+                          env={**__import__("os").environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    print(f"qnn: {r['pass']} passed, {len(r['delegated'])} ran on HTP, worst relative L2 {r['worst_rel_l2']:.2g}, "
+          f"fell back: {r['fallbacks']}")
+    assert not r["failures"], "\n".join(r["failures"])
+    assert len(r["delegated"]) >= 20, r["delegated"]  # elementwise, matmuls, softmax, activations, reductions
+    # a fallback is a node HTP took alone but not in this context; it is counted, with the reason
+    assert all("qnn: compile failed" in f for f in r["fallbacks"])
+
+
+# each model probes its kinds of node on HTP and compiles its partitions (~1 min apiece): two in the
+# default run, all four under -m slow (CI runs both)
+@pytest.mark.parametrize("name", ["gpt2", "resnet", pytest.param("bert", marks=pytest.mark.slow),
+                                  pytest.param("vit", marks=pytest.mark.slow)])
+def test_models_run_end_to_end_on_htp(cache, name):
+    model = models.build(name)
+    model.config.use_cache = False
+    inputs = models.example_inputs(name, model)
+    with torch.no_grad():
+        expected = model(**inputs)
+        key = "logits" if "logits" in expected else "last_hidden_state"
+        torchnative.reset_stats()
+        with torchnative.capture(["qnn"], compile_after=1):
+            explained = torchnative.explain(model, **inputs)
+    got, ref = explained.output[key], expected[key]
+    rel = ((got - ref).norm() / ref.norm()).item()
+    on_htp = sum(n for parts in explained.partitions for d, n in parts if d == "qnn")
+    total = sum(n for parts in explained.partitions for _, n in parts)
+    print(f"{name}: {on_htp}/{total} ops on HTP (simulated), relative L2 vs eager fp32 {rel:.2g}, "
+          f"fallbacks {dict(torchnative.stats()['fallbacks'])}")
+    assert on_htp > 0
+    assert rel < 0.05
+
+
+def test_the_artifact_is_a_compiled_context_binary(cache):
+    import onnx
+
+    built = []
+    stop = events.listen(lambda e: built.append(e) if isinstance(e, events.ProgramBuilt) else None)
+    x = torch.randn(4, 32)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    try:
+        with torch.no_grad(), torchnative.capture(["qnn"], compile_after=1):
+            y = mlp(x)
+    finally:
+        stop()
+    with torch.no_grad():
+        assert ((y - mlp(x)).norm() / mlp(x).norm()).item() < REL_L2
+    step = next(s for s in built[-1].program.steps if s.delegate == "qnn")
+    assert step.artifact_bytes > 0
+    entry = next(Path(cache).glob("*.entry"))  # the disk cache holds the artifact: an EPContext model
+    payload = entry.read_bytes().split(b"\n", 1)[1]
+    nodes = onnx.load_from_string(payload).graph.node
+    assert [n.op_type for n in nodes] == ["EPContext"]
+    attrs = {a.name: a for a in nodes[0].attribute}
+    assert attrs["embed_mode"].i == 1 and len(attrs["ep_cache_context"].s) > 0  # the HTP binary itself

@@ -1,0 +1,223 @@
+"""Qualcomm Hexagon NPU (HTP) through ONNX Runtime's QNN execution provider.
+
+Subgraph → ONNX (the `ort` path) → QDQ quantization calibrated on the values the graph saw when
+it was built (uint16 activations, int8 per-channel weights by default) → compiled for HTP by the
+QNN libraries into a context binary, embedded in an EPContext model: that model is the artifact,
+and loading it skips HTP graph preparation. CPU fallback is disabled, so a node HTP rejects fails
+the compile (the partition then runs on eager, with the reason) instead of running silently on
+CPU. Which nodes HTP takes is found by compiling each kind of node alone (`_probe`), cached in
+memory and in the disk cache. On x86_64 the QNN libraries run HTP in a simulator: results are
+the NPU's, times are not.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import json
+import logging
+import operator
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.delegates.ort import delegate as ort_delegate
+from torchnative.delegates.ort import to_onnx
+from torchnative.ir import CapturedGraph
+
+_HINT = "pip install onnxruntime-qnn==2.7.0"
+_TYPES = {"uint8": "QUInt8", "uint16": "QUInt16", "int8": "QInt8", "int16": "QInt16"}
+
+
+@functools.cache
+def _devices() -> tuple:
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
+    return tuple(d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider")
+
+
+def _options(**config: str):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # nothing runs on CPU unseen
+    for k, v in config.items():
+        options.add_session_config_entry(k, v)
+    options.add_provider_for_devices(list(_devices()), {"backend_type": "htp"})
+    return options
+
+
+@contextlib.contextmanager
+def _quiet():
+    """onnxruntime.quantization advises on the root logger (pre-processing, opset upgrades):
+    notes for its own users, not ours."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _runtime_samples(graph: CapturedGraph) -> list[np.ndarray]:
+    """Calibration inputs: the values seen when the graph was built, else normal noise."""
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    samples = graph.samples or [torch.randn(n.meta["val"].shape) for n in placeholders]
+    return [s.detach().contiguous().numpy() for s, r in zip(samples, graph.input_roles) if r not in ("param", "constant")]
+
+
+class Qnn:
+    name = "qnn"
+    external_weights = False
+    calibrates = True  # wants graph.samples: activation ranges come from real values
+
+    def __init__(self, activations: str = "uint16", weights: str = "int8"):
+        self.activations, self.weights = activations, weights
+        self._verdicts: dict[str, Support] = {}
+
+    def available(self) -> Availability:
+        missing = [m for m in ("onnxruntime", "onnxruntime_qnn", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
+        if missing:
+            return Availability("unavailable", f"missing {', '.join(missing)}", _HINT)
+        try:
+            devices = _devices()
+        except Exception as e:  # an onnxruntime without plugin execution providers, a broken library
+            return Availability("unavailable", f"the QNN execution provider did not register: {e}", _HINT)
+        if not devices:
+            return Availability("unavailable", "the QNN execution provider lists no device", _HINT)
+        simulated = platform.machine() in ("x86_64", "AMD64")
+        return Availability("executes", "HTP simulated on this CPU: results are the NPU's, times are the simulator's"
+                            if simulated else "")
+
+    def supports(self, node: fx.Node) -> Support:
+        verdict = ort_delegate.supports(node)
+        if not verdict:
+            return verdict
+        for x in (node, *node.all_input_nodes):
+            v = x.meta.get("val")
+            v = v[0] if isinstance(v, (tuple, list)) and v else v
+            if isinstance(v, torch.Tensor) and v.dtype != torch.float32:
+                return Support(False, f"{v.dtype} tensors: this delegate quantizes float32 graphs for HTP")
+        key = _signature(node)
+        if key not in self._verdicts:
+            self._verdicts[key] = _cached_probe(self, node, key)
+        return self._verdicts[key]
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        import onnx
+        import onnxruntime as ort
+        from onnxruntime.quantization import CalibrationDataReader, QuantType, quantize
+        from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+
+        model = to_onnx(graph)
+        names = [i.name for i in model.graph.input]
+        feed = dict(zip(names, _runtime_samples(graph)))
+
+        class _Once(CalibrationDataReader):
+            def __init__(self):
+                self.left = [feed]
+
+            def get_next(self):
+                return self.left.pop() if self.left else None
+
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet():
+            warnings.simplefilter("ignore")
+            fp32, qdq, context = (str(Path(tmp) / f) for f in ("fp32.onnx", "qdq.onnx", "context.onnx"))
+            onnx.save(model, fp32 + ".raw")
+            # folds the transposes of constant weights and the like: HTP rejects a Gemm whose
+            # weight arrives through a Transpose
+            quant_pre_process(fp32 + ".raw", fp32, skip_symbolic_shape=True)
+            config = get_qnn_qdq_config(fp32, _Once(), activation_type=getattr(QuantType, _TYPES[self.activations]),
+                                        weight_type=getattr(QuantType, _TYPES[self.weights]), per_channel=True)
+            quantize(fp32, qdq, config)
+            # compiling for HTP writes the context binary, embedded in an EPContext model
+            ort.InferenceSession(qdq, _options(**{"ep.context_enable": "1", "ep.context_embed_mode": "1",
+                                                  "ep.context_file_path": context}))
+            payload = Path(context).read_bytes()
+        return Artifact(self.name, payload, {"n_outputs": len(graph.output_roles), "activations": self.activations,
+                                             "weights": self.weights})
+
+    def load(self, artifact: Artifact) -> Runner:
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(artifact.payload, _options())
+        names = [i.name for i in session.get_inputs()]
+        run = session.run
+
+        def runner(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            feed = {n: t.detach().contiguous().numpy() for n, t in zip(names, inputs)}
+            return [torch.from_numpy(v) for v in run(None, feed)]
+
+        return runner
+
+
+def _signature(node: fx.Node) -> str:
+    """What HTP's answer depends on: the op, its inputs' ranks and roles, its other arguments."""
+    def arg(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return f"T{v.dim()}{a.meta.get('role', '')}" if isinstance(v, torch.Tensor) else "?"
+        if isinstance(a, (list, tuple)):
+            return [arg(x) for x in a]
+        return repr(a)
+    return json.dumps([str(node.target), [arg(a) for a in node.args], {k: arg(v) for k, v in node.kwargs.items()}])
+
+
+def _alone(node: fx.Node) -> CapturedGraph:
+    """The node as a graph of its own: inputs that are weights in its graph are constants here too
+    (HTP's answer depends on it: a LayerNorm or Gemm is taken or not by how its weights are quantized)."""
+    g = fx.Graph()
+    env, roles, constants = {}, [], {}
+    for a in node.all_input_nodes:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = {"val": a.meta["val"]}
+        role = a.meta.get("role", "input")
+        roles.append(role)
+        if role in ("param", "constant"):
+            constants[a.name] = torch.randn(a.meta["val"].shape) if a.meta["val"].dtype.is_floating_point \
+                else torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype)
+    out = g.node_copy(node, env.__getitem__)
+    out.meta = dict(node.meta)
+    if isinstance(node.meta["val"], (tuple, list)):  # the first result: the one models use
+        first = g.call_function(operator.getitem, (out, 0))
+        first.meta = {"val": node.meta["val"][0]}
+        out = first
+    g.output([out])
+    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"], constants)
+
+
+def _probe(qnn: Qnn, node: fx.Node) -> Support:
+    from torchnative.runtime.program import _compile_in_clean_thread
+
+    try:
+        run, _ = _compile_in_clean_thread(qnn, _alone(node))
+        run([torch.randn(a.meta["val"].shape) for a in node.all_input_nodes
+             if a.meta.get("role", "input") not in ("param", "constant")])
+        return YES
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        return Support(False, f"HTP did not take it when compiled alone: {first}")
+
+
+def _cached_probe(qnn: Qnn, node: fx.Node, key: str) -> Support:
+    from torchnative.runtime import disk_cache
+
+    table = disk_cache.table("qnn-ops")
+    if key in table:
+        ok, reason = table[key]
+        return Support(ok, reason)
+    verdict = _probe(qnn, node)
+    disk_cache.remember("qnn-ops", key, [verdict.ok, verdict.reason])
+    return verdict
+
+
+delegate = Qnn()
