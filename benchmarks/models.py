@@ -120,6 +120,10 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
     return row
 
 
+# engines whose times here are not device speeds
+SIMULATED = {"qnn": "Hexagon HTP run by the QNN simulator on this x86_64 CPU: simulator times, not NPU speed"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", default="bert,vit,resnet,gpt2-prefill,gpt2-decode")
@@ -143,6 +147,9 @@ def main() -> None:
     cols = [("workload", "{}")] + [(f"{e}_ms", "{:.1f}") for e in engines] + [(f"{e}_x", "{:.2f}x") for e in engines[1:]] \
         + [(f"{e}_first_s", "{:.1f}") for e in engines[1:]]
     print(table(rows, cols))
+    for d in delegates:
+        if d in SIMULATED:
+            print(f"accel[{d}]: {SIMULATED[d]}")
     geo = {}
     for e in engines[1:]:
         xs = [r[f"{e}_x"] for r in rows if f"{e}_x" in r]
@@ -154,7 +161,9 @@ def main() -> None:
     if vs:
         print("accel[default] vs ort_standalone (>1 is faster): "
               + ", ".join(f"{w} {x:.2f}x" for w, x in vs.items()))
-    print(f"wrote {write('models', {'torch': torch.__version__, 'rows': rows, 'geomean': geo})}")
+    notes = {f"accel[{d}]": SIMULATED[d] for d in delegates if d in SIMULATED}
+    name = "models" if not notes else "models_" + "_".join(d for d in delegates if d in SIMULATED)
+    print(f"wrote {write(name, {'torch': torch.__version__, 'rows': rows, 'geomean': geo, 'notes': notes})}")
 
 
 if __name__ == "__main__":

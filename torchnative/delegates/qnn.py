@@ -120,6 +120,8 @@ class Qnn:
 
         model = to_onnx(graph)
         names = [i.name for i in model.graph.input]
+        if not names:  # nodes claimed for their consumers (views of weights) left without them
+            raise ValueError("the partition computes from weights alone: nothing to calibrate or run on HTP")
         feed = dict(zip(names, _runtime_samples(graph)))
 
         class _Once(CalibrationDataReader):
@@ -161,31 +163,46 @@ class Qnn:
 
 
 def _signature(node: fx.Node) -> str:
-    """What HTP's answer depends on: the op, its inputs' ranks and roles, its other arguments."""
+    """What HTP's answer depends on: the op, its inputs' ranks and which are weights, its other arguments."""
     def arg(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
-            return f"T{v.dim()}{a.meta.get('role', '')}" if isinstance(v, torch.Tensor) else "?"
+            return f"T{v.dim()}{'w' if _weight(a) is not None else ''}" if isinstance(v, torch.Tensor) else "?"
         if isinstance(a, (list, tuple)):
             return [arg(x) for x in a]
         return repr(a)
     return json.dumps([str(node.target), [arg(a) for a in node.args], {k: arg(v) for k, v in node.kwargs.items()}])
 
 
+def _weight(a: fx.Node) -> fx.Node | None:
+    """The weight placeholder `a` is, or is a view of (a Linear's weight arrives permuted)."""
+    while a.op == "call_function" and getattr(a.target, "is_view", False):
+        a = a.args[0]
+    return a if a.op == "placeholder" and a.meta.get("role") in ("param", "constant") else None
+
+
 def _alone(node: fx.Node) -> CapturedGraph:
-    """The node as a graph of its own: inputs that are weights in its graph are constants here too
-    (HTP's answer depends on it: a LayerNorm or Gemm is taken or not by how its weights are quantized)."""
+    """The node as a graph of its own. What is a weight in its graph is a constant here too, views
+    included: HTP takes a Gemm or a LayerNorm or not by how its weights are quantized."""
     g = fx.Graph()
     env, roles, constants = {}, [], {}
-    for a in node.all_input_nodes:
+    leaves = list(dict.fromkeys(_weight(a) or a for a in node.all_input_nodes))
+    for a in leaves:
         env[a] = g.placeholder(a.name)
         env[a].meta = {"val": a.meta["val"]}
-        role = a.meta.get("role", "input")
+        role = a.meta.get("role", "input") if a.op == "placeholder" else "input"
         roles.append(role)
         if role in ("param", "constant"):
-            constants[a.name] = torch.randn(a.meta["val"].shape) if a.meta["val"].dtype.is_floating_point \
-                else torch.zeros(a.meta["val"].shape, dtype=a.meta["val"].dtype)
-    out = g.node_copy(node, env.__getitem__)
+            v = a.meta["val"]
+            constants[a.name] = torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype)
+
+    def copy(a: fx.Node) -> fx.Node:  # a view of a weight: the view too
+        if a not in env:
+            env[a] = g.node_copy(a, copy)
+            env[a].meta = {"val": a.meta["val"]}
+        return env[a]
+
+    out = g.node_copy(node, copy)
     out.meta = dict(node.meta)
     if isinstance(node.meta["val"], (tuple, list)):  # the first result: the one models use
         first = g.call_function(operator.getitem, (out, 0))
@@ -198,10 +215,14 @@ def _alone(node: fx.Node) -> CapturedGraph:
 def _probe(qnn: Qnn, node: fx.Node) -> Support:
     from torchnative.runtime.program import _compile_in_clean_thread
 
+    alone = _alone(node)
+    placeholders = [n for n in alone.gm.graph.nodes if n.op == "placeholder"]
+    runtime = [p for p, r in zip(placeholders, alone.input_roles) if r not in ("param", "constant")]
+    if not runtime:  # computed from weights alone: folded before HTP sees it
+        return YES
     try:
-        run, _ = _compile_in_clean_thread(qnn, _alone(node))
-        run([torch.randn(a.meta["val"].shape) for a in node.all_input_nodes
-             if a.meta.get("role", "input") not in ("param", "constant")])
+        run, _ = _compile_in_clean_thread(qnn, alone)
+        run([torch.randn(p.meta["val"].shape) for p in runtime])
         return YES
     except Exception as e:
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
