@@ -2,6 +2,7 @@
 this CPU): its claimed ops executed and compared with eager by relative L2 error (activations are
 quantized to uint16, weights to int8), the models end to end, and the compiled context binary."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ def test_claimed_ops_match_eager_within_quantization_error(cache, tmp_path):
     out = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "1", "--delegates", "qnn", "--rel-l2", str(REL_L2),
                            "--ops", ",".join(OPS), "--out", str(out)], capture_output=True, text=True, timeout=1800,
-                          env={**__import__("os").environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
+                          env={**os.environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     print(f"qnn: {r['pass']} passed, {len(r['delegated'])} ran on HTP, worst relative L2 {r['worst_rel_l2']:.2g}, "
