@@ -2,8 +2,9 @@
 ExecuTorch. Each delegate module provides one `Delegate` instance."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 import torch.fx as fx
@@ -58,3 +59,13 @@ class Delegate(Protocol):
     def compile(self, graph: CapturedGraph) -> Artifact: ...
 
     def load(self, artifact: Artifact) -> Runner: ...
+
+
+_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
+
+
+def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the compile thread. A cut flushes from inside __torch_dispatch__, where torch
+    has excluded the Python dispatch key for this thread; tracing compilers (torch.export) need it,
+    so compiles run on a thread whose dispatch state is fresh."""
+    return _compiler.submit(fn, *args).result()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, in_clean_thread
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.ort import to_onnx
 from torchnative.ir import CapturedGraph
@@ -213,15 +213,13 @@ def _alone(node: fx.Node) -> CapturedGraph:
 
 
 def _probe(qnn: Qnn, node: fx.Node) -> Support:
-    from torchnative.runtime.program import _compile_in_clean_thread
-
     alone = _alone(node)
     placeholders = [n for n in alone.gm.graph.nodes if n.op == "placeholder"]
     runtime = [p for p, r in zip(placeholders, alone.input_roles) if r not in ("param", "constant")]
     if not runtime:  # computed from weights alone: folded before HTP sees it
         return YES
     try:
-        run, _ = _compile_in_clean_thread(qnn, alone)
+        run = in_clean_thread(lambda: qnn.load(qnn.compile(alone)))
         run([torch.randn(p.meta["val"].shape) for p in runtime])
         return YES
     except Exception as e:

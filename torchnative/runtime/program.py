@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -14,6 +13,7 @@ import torch.fx as fx
 from torchnative import events
 from torchnative.capture.trie import Node, Signature, build_graph
 from torchnative.delegates import Artifact, Delegate
+from torchnative.delegates.base import in_clean_thread
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, Plan, partition
@@ -93,9 +93,6 @@ def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
     return torch.empty_strided(expected.shape, expected.stride(), dtype=value.dtype).copy_(value)
 
 
-_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
-
-
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
     """The partitioning, from the disk cache when an earlier process made it."""
     entry = disk_cache.plan_key(graph, delegates) if disk_cache.directory() is not None else None
@@ -105,13 +102,6 @@ def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
         if entry:
             disk_cache.put_plan(entry, plan)
     return plan
-
-
-def _compile_in_clean_thread(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, Artifact]:
-    # A cut flushes from inside __torch_dispatch__, where torch has excluded the Python dispatch
-    # key for this thread; tracing compilers (torch.export) need it, so they run on a thread
-    # whose dispatch state is fresh.
-    return _compiler.submit(_build, delegate, graph).result()
 
 
 def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, Artifact]:
@@ -197,7 +187,7 @@ class Program:
         if name != EAGER:
             try:
                 runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role not in ("param", "constant")]
-                run, artifact = _compile_in_clean_thread(delegates[name], sub)
+                run, artifact = in_clean_thread(_build, delegates[name], sub)
                 step = Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started,
                             len(artifact.payload), artifact if keep else None)
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
