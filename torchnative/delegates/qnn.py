@@ -230,12 +230,12 @@ def _probe(qnn: Qnn, node: fx.Node) -> Support:
 def _cached_probe(qnn: Qnn, node: fx.Node, key: str) -> Support:
     from torchnative.runtime import disk_cache
 
-    table = disk_cache.table("qnn-ops")
+    table = disk_cache.table("qnn-ops", qnn.name)
     if key in table:
         ok, reason = table[key]
         return Support(ok, reason)
     verdict = _probe(qnn, node)
-    disk_cache.remember("qnn-ops", key, [verdict.ok, verdict.reason])
+    disk_cache.remember("qnn-ops", qnn.name, key, [verdict.ok, verdict.reason])
     return verdict
 
 

@@ -180,13 +180,13 @@ def put_plan(entry: str, plan: Plan) -> None:
 _tables: dict[str, dict] = {}
 
 
-def table(name: str) -> dict:
+def table(name: str, delegate: str) -> dict:
     """A small JSON table kept across processes (a delegate's answers about which ops it takes),
-    for the current toolchain of every delegate."""
+    valid for the current toolchain of `delegate`."""
     if name not in _tables:
         _tables[name] = {}
         folder = directory()
-        path = folder / f"{name}-{_table_version()}.json" if folder is not None else None
+        path = folder / _table_file(name, delegate) if folder is not None else None
         if path is not None and path.exists():
             try:
                 _tables[name] = json.loads(path.read_text())
@@ -195,12 +195,12 @@ def table(name: str) -> dict:
     return _tables[name]
 
 
-def remember(name: str, key: str, value) -> None:
-    table(name)[key] = value
+def remember(name: str, delegate: str, key: str, value) -> None:
+    table(name, delegate)[key] = value
     folder = directory()
     if folder is not None:
-        _write(folder, f"{name}-{_table_version()}.json", json.dumps(_tables[name]).encode())
+        _write(folder, _table_file(name, delegate), json.dumps(_tables[name]).encode())
 
 
-def _table_version() -> str:
-    return hashlib.sha256(_toolchain("qnn", "ort").encode()).hexdigest()[:16]
+def _table_file(name: str, delegate: str) -> str:
+    return f"{name}-{hashlib.sha256(_toolchain(delegate).encode()).hexdigest()[:16]}.json"
