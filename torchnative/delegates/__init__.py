@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from torchnative.delegates import candle, eager, ort, qnn, xnnpack
-from torchnative.delegates.base import Artifact, Availability, Delegate, Support
+from torchnative.delegates.base import Artifact, Availability, CompileOnly, Delegate, Support
 
 REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, candle.delegate,
                                                      candle.q8_0, candle.q4k, eager.delegate)}
@@ -61,8 +61,10 @@ def _resolve(names: tuple[str, ...]) -> tuple[Delegate, ...]:
     for n in names:
         d = REGISTRY[n]
         status = d.available()
-        if status.status != "executes":
-            raise RuntimeError(f"delegate {n!r} cannot execute here: {status.reason}"
+        # compile-only delegates are taken when named: their partitions compile (a bundle ships
+        # them) and run on eager here, each fallback recorded with the reason
+        if status.status == "unavailable":
+            raise RuntimeError(f"delegate {n!r} is unavailable here: {status.reason}"
                                + (f" (install: {status.install_hint})" if status.install_hint else ""))
         chosen.append(d)
     if "eager" not in names:
@@ -83,4 +85,4 @@ def _default() -> tuple[str, ...]:
     return tuple(usable)
 
 
-__all__ = ["Artifact", "Availability", "Delegate", "Support", "REGISTRY", "DEFAULT", "resolve", "toolchain"]
+__all__ = ["Artifact", "Availability", "CompileOnly", "Delegate", "Support", "REGISTRY", "DEFAULT", "resolve", "toolchain"]

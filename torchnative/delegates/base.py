@@ -48,6 +48,11 @@ class Artifact:
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
+class CompileOnly(RuntimeError):
+    """`load` of a delegate whose artifacts are built here but run elsewhere (Core ML on Linux):
+    the partition keeps its artifact (a bundle ships it) and runs on eager here, with this reason."""
+
+
 class Delegate(Protocol):
     name: str
     external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)

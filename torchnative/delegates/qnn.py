@@ -5,8 +5,7 @@ it was built (uint16 activations, int8 per-channel weights by default) → compi
 QNN libraries into a context binary, embedded in an EPContext model: that model is the artifact,
 and loading it skips HTP graph preparation. CPU fallback is disabled, so a node HTP rejects fails
 the compile (the partition then runs on eager, with the reason) instead of running silently on
-CPU. Which nodes HTP takes is found by compiling each kind of node alone (`_probe`), cached in
-memory and in the disk cache. On x86_64 the QNN libraries run HTP in a simulator: results are
+CPU. Which nodes HTP takes is found by compiling each kind of node alone (delegates/probe.py). On x86_64 the QNN libraries run HTP in a simulator: results are
 the NPU's, times are not.
 """
 from __future__ import annotations
@@ -14,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import json
 import logging
-import operator
 import platform
 import tempfile
 import warnings
@@ -28,6 +25,7 @@ import torch.fx as fx
 
 from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, in_clean_thread
 from torchnative.delegates.ort import delegate as ort_delegate
+from torchnative.delegates.probe import Probe, random_inputs
 from torchnative.delegates.ort import to_onnx
 from torchnative.ir import CapturedGraph
 
@@ -81,7 +79,7 @@ class Qnn:
 
     def __init__(self, activations: str = "uint16", weights: str = "int8"):
         self.activations, self.weights = activations, weights
-        self._verdicts: dict[str, Support] = {}
+        self._probe = Probe(self.name, "qnn-ops", "HTP", lambda alone: _try_on_htp(self, alone))
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxruntime_qnn", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
@@ -106,10 +104,7 @@ class Qnn:
             v = v[0] if isinstance(v, (tuple, list)) and v else v
             if isinstance(v, torch.Tensor) and v.dtype != torch.float32:
                 return Support(False, f"{v.dtype} tensors: this delegate quantizes float32 graphs for HTP")
-        key = _signature(node)
-        if key not in self._verdicts:
-            self._verdicts[key] = _cached_probe(self, node, key)
-        return self._verdicts[key]
+        return self._probe(node)
 
     def compile(self, graph: CapturedGraph) -> Artifact:
         import onnx
@@ -162,81 +157,10 @@ class Qnn:
         return runner
 
 
-def _signature(node: fx.Node) -> str:
-    """What HTP's answer depends on: the op, its inputs' ranks and which are weights, its other arguments."""
-    def arg(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            return f"T{v.dim()}{'w' if _weight(a) is not None else ''}" if isinstance(v, torch.Tensor) else "?"
-        if isinstance(a, (list, tuple)):
-            return [arg(x) for x in a]
-        return repr(a)
-    return json.dumps([str(node.target), [arg(a) for a in node.args], {k: arg(v) for k, v in node.kwargs.items()}])
-
-
-def _weight(a: fx.Node) -> fx.Node | None:
-    """The weight placeholder `a` is, or is a view of (a Linear's weight arrives permuted)."""
-    while a.op == "call_function" and getattr(a.target, "is_view", False):
-        a = a.args[0]
-    return a if a.op == "placeholder" and a.meta.get("role") in ("param", "constant") else None
-
-
-def _alone(node: fx.Node) -> CapturedGraph:
-    """The node as a graph of its own. What is a weight in its graph is a constant here too, views
-    included: HTP takes a Gemm or a LayerNorm or not by how its weights are quantized."""
-    g = fx.Graph()
-    env, roles, constants = {}, [], {}
-    leaves = list(dict.fromkeys(_weight(a) or a for a in node.all_input_nodes))
-    for a in leaves:
-        env[a] = g.placeholder(a.name)
-        env[a].meta = {"val": a.meta["val"]}
-        role = a.meta.get("role", "input") if a.op == "placeholder" else "input"
-        roles.append(role)
-        if role in ("param", "constant"):
-            v = a.meta["val"]
-            constants[a.name] = torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype)
-
-    def copy(a: fx.Node) -> fx.Node:  # a view of a weight: the view too
-        if a not in env:
-            env[a] = g.node_copy(a, copy)
-            env[a].meta = {"val": a.meta["val"]}
-        return env[a]
-
-    out = g.node_copy(node, copy)
-    out.meta = dict(node.meta)
-    if isinstance(node.meta["val"], (tuple, list)):  # the first result: the one models use
-        first = g.call_function(operator.getitem, (out, 0))
-        first.meta = {"val": node.meta["val"][0]}
-        out = first
-    g.output([out])
-    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"], constants)
-
-
-def _probe(qnn: Qnn, node: fx.Node) -> Support:
-    alone = _alone(node)
-    placeholders = [n for n in alone.gm.graph.nodes if n.op == "placeholder"]
-    runtime = [p for p, r in zip(placeholders, alone.input_roles) if r not in ("param", "constant")]
-    if not runtime:  # computed from weights alone: folded before HTP sees it
-        return YES
-    try:
-        run = in_clean_thread(lambda: qnn.load(qnn.compile(alone)))
-        run([torch.randn(p.meta["val"].shape) for p in runtime])
-        return YES
-    except Exception as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        return Support(False, f"HTP did not take it when compiled alone: {first}")
-
-
-def _cached_probe(qnn: Qnn, node: fx.Node, key: str) -> Support:
-    from torchnative.runtime import disk_cache
-
-    table = disk_cache.table("qnn-ops", qnn.name)
-    if key in table:
-        ok, reason = table[key]
-        return Support(ok, reason)
-    verdict = _probe(qnn, node)
-    disk_cache.remember("qnn-ops", qnn.name, key, [verdict.ok, verdict.reason])
-    return verdict
+def _try_on_htp(qnn: Qnn, alone: CapturedGraph) -> None:
+    inputs = random_inputs(alone)
+    if inputs:  # else computed from weights alone: folded before HTP sees it
+        in_clean_thread(lambda: qnn.load(qnn.compile(alone)))(inputs)
 
 
 delegate = Qnn()

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torchnative import events
 from torchnative.capture.trie import Node, Signature, build_graph
 from torchnative.delegates import Artifact, Delegate
-from torchnative.delegates.base import in_clean_thread
+from torchnative.delegates.base import CompileOnly, in_clean_thread
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, Plan, partition
@@ -104,20 +104,27 @@ def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
     return plan
 
 
-def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable, Artifact]:
+def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable | None, str, Artifact]:
     """Load from the disk cache, else compile (and store); a cached artifact that fails to load is
-    discarded and compiled again."""
+    discarded and compiled again. The runner is None for a compile-only delegate, with its reason."""
     entry = disk_cache.key(delegate, graph) if disk_cache.directory() is not None else None
     artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry else None
     if artifact is not None:
         try:
-            return delegate.load(artifact), artifact
+            return (*_load(delegate, artifact), artifact)
         except Exception:
             disk_cache.discard(entry)
     artifact = delegate.compile(graph)
     if entry:
         disk_cache.put(entry, artifact)
-    return delegate.load(artifact), artifact
+    return (*_load(delegate, artifact), artifact)
+
+
+def _load(delegate: Delegate, artifact: Artifact) -> tuple[Callable | None, str]:
+    try:
+        return delegate.load(artifact), ""
+    except CompileOnly as e:
+        return None, str(e)
 
 
 def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
@@ -187,9 +194,12 @@ class Program:
         if name != EAGER:
             try:
                 runtime_inputs = [n for n, role in zip(reads, sub.input_roles) if role not in ("param", "constant")]
-                run, artifact = in_clean_thread(_build, delegates[name], sub)
-                step = Step(name, sub, reads, runtime_inputs, outputs, run, time.perf_counter() - started,
-                            len(artifact.payload), artifact if keep else None)
+                run, compile_only, artifact = in_clean_thread(_build, delegates[name], sub)
+                if run is None:  # built for a device this machine is not: eager runs it here
+                    _fallback(name, f"compile-only on this platform: {compile_only}", self.graph.key, len(sub.op_nodes()))
+                    run, runtime_inputs = eager.load(eager.compile(sub)), reads
+                step = Step(name if compile_only == "" else EAGER, sub, reads, runtime_inputs, outputs, run,
+                            time.perf_counter() - started, len(artifact.payload), artifact if keep else None)
             except Exception as e:  # compile failure: this partition runs eagerly, and we say so
                 _fallback(name, f"compile failed for {len(sub.op_nodes())} op(s): {type(e).__name__}: {e}",
                           self.graph.key, len(sub.op_nodes()))

@@ -1,0 +1,114 @@
+"""Which kinds of node a backend takes, found by compiling each kind alone: for backends whose
+compilers (HTP, Core ML, IREE) say no only when asked to compile. Answers are kept in memory and
+in the disk cache, keyed by what the answer depends on (`signature`)."""
+from __future__ import annotations
+
+import json
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import YES, Support
+from torchnative.ir import CapturedGraph
+
+
+def signature(node: fx.Node) -> str:
+    """The op, its inputs' ranks and dtypes and which are weights, its other arguments."""
+    def arg(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor):
+                return "?"
+            return f"T{v.dim()}{str(v.dtype).removeprefix('torch.')}{'w' if weight(a) is not None else ''}"
+        if isinstance(a, (list, tuple)):
+            return [arg(x) for x in a]
+        return repr(a)
+    return json.dumps([str(node.target), [arg(a) for a in node.args], {k: arg(v) for k, v in node.kwargs.items()}])
+
+
+def weight(a: fx.Node) -> fx.Node | None:
+    """The weight placeholder `a` is, or is a view of (a Linear's weight arrives permuted)."""
+    while a.op == "call_function" and getattr(a.target, "is_view", False):
+        a = a.args[0]
+    return a if a.op == "placeholder" and a.meta.get("role") in ("param", "constant") else None
+
+
+def alone(node: fx.Node) -> CapturedGraph:
+    """The node as a graph of its own. What is a weight in its graph is a constant here too, views
+    included: a compiler may take a Gemm or a LayerNorm or not by how its weights arrive."""
+    g = fx.Graph()
+    env, roles, constants = {}, [], {}
+    leaves = list(dict.fromkeys(weight(a) or a for a in node.all_input_nodes))
+    for a in leaves:
+        env[a] = g.placeholder(a.name)
+        env[a].meta = {"val": a.meta["val"]}
+        role = a.meta.get("role", "input") if a.op == "placeholder" else "input"
+        roles.append(role)
+        if role in ("param", "constant"):
+            v = a.meta["val"]
+            constants[a.name] = torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype)
+
+    def copy(a: fx.Node) -> fx.Node:  # a view of a weight: the view too
+        if a not in env:
+            env[a] = g.node_copy(a, copy)
+            env[a].meta = {"val": a.meta["val"]}
+        return env[a]
+
+    out = g.node_copy(node, copy)
+    out.meta = dict(node.meta)
+    if isinstance(node.meta["val"], (tuple, list)):  # the first result: the one models use
+        first = g.call_function(operator.getitem, (out, 0))
+        first.meta = {"val": node.meta["val"][0]}
+        out = first
+    g.output([out])
+    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"], constants)
+
+
+def random_inputs(graph: CapturedGraph) -> list[torch.Tensor]:
+    """Values for the placeholders passed at run time (not weights)."""
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    for p, role in zip(placeholders, graph.input_roles):
+        if role not in ("param", "constant"):
+            v = p.meta["val"]
+            out.append(torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype))
+    return out
+
+
+class Probe:
+    """`probe(node)`: does `trial` (compile, maybe run) succeed on the node alone? `backend` names
+    the compiler in the reason given when it does not."""
+
+    def __init__(self, delegate: str, table: str, backend: str, trial: Callable[[CapturedGraph], None]):
+        self.delegate, self.table, self.backend, self.trial = delegate, table, backend, trial
+        self._verdicts: dict[str, Support] = {}
+
+    def __call__(self, node: fx.Node) -> Support:
+        key = signature(node)
+        if key not in self._verdicts:
+            self._verdicts[key] = self._cached(node, key)
+        return self._verdicts[key]
+
+    def _cached(self, node: fx.Node, key: str) -> Support:
+        from torchnative.runtime import disk_cache
+
+        table = disk_cache.table(self.table, self.delegate)
+        if key in table:
+            ok, reason = table[key]
+            return Support(ok, reason)
+        verdict = self._try(node)
+        disk_cache.remember(self.table, self.delegate, key, [verdict.ok, verdict.reason])
+        return verdict
+
+    def _try(self, node: fx.Node) -> Support:
+        try:
+            self.trial(alone(node))
+            return YES
+        except BaseException as e:  # noqa: BLE001 -- native compilers raise odd things (pyo3 panics)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            text = str(e).strip()
+            first = text.splitlines()[0][:160] if text else type(e).__name__
+            return Support(False, f"{self.backend} did not take it when compiled alone: {first}")
