@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, in_clean_thread
+from torchnative.delegates.base import Artifact, Availability, Runner, Support, in_clean_thread
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
 from torchnative.delegates.ort import to_onnx
