@@ -40,10 +40,12 @@ class CapturedGraph:
     def op_counts(self) -> Counter:
         return Counter(self.ops())
 
-    def to_exported_program(self) -> "torch.export.ExportedProgram":
+    def to_exported_program(self, dense: bool = False) -> "torch.export.ExportedProgram":
         """Export of the graph for torch.export-based delegates: constants (params) become
         module buffers, which export lifts into weights the delegate may prepack; example inputs
-        are strided like the real ones, since a view in the graph may only be valid on those."""
+        are strided like the real ones, since a view in the graph may only be valid on those —
+        unless `dense`: for a delegate whose tensors have no strides (Core ML), which is given
+        contiguous inputs and where a view is a reshape."""
         root = torch.nn.Module()
         g = fx.Graph()
         env: dict = {}
@@ -56,7 +58,8 @@ class CapturedGraph:
             env[n] = g.node_copy(n, env.__getitem__)
             env[n].meta = {}  # torch.export mistakes our meta["val"] (device "meta") for constants
             if n.op == "placeholder":
-                examples.append(torch.zeros_like(n.meta["val"], device="cpu"))
+                v = n.meta["val"]
+                examples.append(torch.zeros(v.shape, dtype=v.dtype) if dense else torch.zeros_like(v, device="cpu"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.export.export(fx.GraphModule(root, g), tuple(examples))

@@ -26,13 +26,19 @@ def _describe(dtype: torch.dtype | str, shape: Any) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
-def _load_partition(reader: Reader, part: dict, weights: dict) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+def _load_partition(reader: Reader, part: dict, weights: dict) -> tuple[Callable, list[str], str]:
+    """The partition's runner, the values it takes, and why it runs on eager here if it does
+    (a compile-only delegate's partition, run by its eager fallback)."""
     name = part["delegate"]
     delegate = REGISTRY.get(name)
     if delegate is None:
         raise BundleError(f"{reader.path} has a partition for delegate {name!r}, which this torchnative does not "
                           f"know (known: {', '.join(sorted(REGISTRY))}); upgrade torchnative")
     status = delegate.available()
+    if status.status != "executes" and "fallback" in part:
+        reader.checked(part["artifact"], part)  # shipped for its device: still whole
+        fallback = part["fallback"]
+        return _exported(reader.checked(fallback["artifact"], fallback)), fallback["inputs"], f"{name}: {status.reason}"
     if status.status != "executes":
         raise BundleError(f"{reader.path} needs delegate {name!r} ({part['ops']} ops in {part['artifact']}), which "
                           f"cannot execute here: {status.reason}"
@@ -40,14 +46,18 @@ def _load_partition(reader: Reader, part: dict, weights: dict) -> Callable[[list
                           + "; or write the bundle again with --targets that this machine runs")
     payload = reader.checked(part["artifact"], part)
     if name == eager.name:
-        module = torch.export.load(io.BytesIO(payload)).module()
-        return lambda inputs: list(module(*inputs))
+        return _exported(payload), part["inputs"], ""
     try:
         constants = {local: weights[name] for local, name in part["constants"].items()}
-        return delegate.load(Artifact(name, payload, part["meta"], constants))
+        return delegate.load(Artifact(name, payload, part["meta"], constants)), part["inputs"], ""
     except Exception as e:
         raise BundleError(f"delegate {name!r} could not load {part['artifact']} of {reader.path}: "
                           f"{type(e).__name__}: {e}") from e
+
+
+def _exported(payload: bytes) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    module = torch.export.load(io.BytesIO(payload)).module()
+    return lambda inputs: list(module(*inputs))
 
 
 class Bundle:
@@ -65,6 +75,8 @@ class Bundle:
         self.weights = self._weights(reader)
         self._runners = {(k, j): _load_partition(reader, part, self.weights)
                          for k, g in enumerate(self.manifest["programs"]) for j, part in enumerate(g["partitions"])}
+        # partitions for a delegate that does not execute here, run by their eager fallback: (graph, #, why)
+        self.fallbacks = [(k, j, why) for (k, j), (_, _, why) in self._runners.items() if why]
 
     def _weights(self, reader: Reader) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
@@ -129,7 +141,7 @@ class Bundle:
                 for i in program["inputs"]:
                     env[i["value"]] = self._source(i["from"], env, given)
                 for j, part in enumerate(program["partitions"]):
-                    outs = self._run(k, j, part, [env[n] for n in part["inputs"]])
+                    outs = self._run(k, j, part, [env[n] for n in self._runners[k, j][1]])
                     env.update(zip((o["value"] for o in part["outputs"]), outs))
                 for check in program["checks"]:
                     got = env[check["value"]].item()
@@ -142,7 +154,7 @@ class Bundle:
 
     def _run(self, k: int, j: int, part: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
-            outs = self._runners[k, j](inputs)
+            outs = self._runners[k, j][0](inputs)
         except Exception as e:
             raise BundleError(f"partition {j} of graph {k} ({part['delegate']}, {part['ops']} ops, "
                               f"{part['artifact']}) failed: {type(e).__name__}: {e}") from e

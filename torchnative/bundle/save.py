@@ -21,7 +21,7 @@ from torchnative.passes import pin
 from torchnative.runtime import replay
 from torchnative.runtime.program import Program, Step
 
-_EXTENSION = {"ort": "onnx", "xnnpack": "pte", "eager": "pt2"}
+_EXTENSION = {"ort": "onnx", "qnn": "onnx", "xnnpack": "pte", "coreml": "mlpackage.zip", "eager": "pt2"}
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -82,25 +82,38 @@ class _Writer:
         raise BundleError(f"an input of graph {k} comes from {kind!r}, which a bundle cannot hold")
 
     def partition(self, k: int, j: int, step: Step, name: Callable[[fx.Node], str]) -> dict:
+        """A partition's file and how to run it. A compile-only delegate's partition (Core ML off
+        macOS) ran on eager when built: the bundle holds its artifact, for the device, and eager's
+        program as the `fallback` that runs where the delegate does not."""
+        built = step.artifact  # None on an eager step, unless a compile-only delegate made it
+        delegate = built.delegate if built is not None else eager.name
         constants: dict[str, str] = {}  # the artifact's name for a weight -> the bundle's
-        if step.delegate == eager.name:
-            payload, meta = _exported(step.graph), {}
+        if built is None:
+            payload, meta, inputs = _exported(step.graph), {}, step.inputs
         else:
-            payload, meta = step.artifact.payload, step.artifact.meta
-            constants = {local: self.weight(t, f"constants.g{k}.p{j}.{local}") for local, t in step.artifact.constants.items()}
+            payload, meta = built.payload, built.meta
+            inputs = [n for n, r in zip(step.reads, step.graph.input_roles) if r not in ("param", "constant")]
+            constants = {local: self.weight(t, f"constants.g{k}.p{j}.{local}") for local, t in built.constants.items()}
             try:
                 json.dumps(meta)
             except TypeError as e:
-                raise BundleError(f"delegate {step.delegate!r} keeps Python objects in its artifacts ({e}); it "
+                raise BundleError(f"delegate {delegate!r} keeps Python objects in its artifacts ({e}); it "
                                   f"cannot be saved in a bundle yet: choose other --targets (ort, xnnpack)") from e
-        path = f"partitions/g{k}_p{j}_{step.delegate}.{_EXTENSION.get(step.delegate, 'bin')}"
+        record = {"delegate": delegate, **self.file(f"g{k}_p{j}", delegate, payload), "meta": meta,
+                  "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
+                  "inputs": [name(n) for n in inputs],
+                  "outputs": [{"value": name(n), "stride": list(n.meta["val"].stride()), **_spec(n.meta["val"])}
+                              for n in step.outputs],
+                  "compile_s": round(step.compile_s, 3)}
+        if built is not None and step.delegate == eager.name:
+            record["fallback"] = {**self.file(f"g{k}_p{j}", eager.name, _exported(step.graph)),
+                                  "inputs": [name(n) for n in step.reads]}
+        return record
+
+    def file(self, stem: str, delegate: str, payload: bytes) -> dict:
+        path = f"partitions/{stem}_{delegate}.{_EXTENSION.get(delegate, 'bin')}"
         self.files[path] = payload
-        return {"delegate": step.delegate, "artifact": path, "bytes": len(payload), "sha256": sha256(payload),
-                "meta": meta, "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
-                "inputs": [name(n) for n in step.inputs],
-                "outputs": [{"value": name(n), "stride": list(n.meta["val"].stride()), **_spec(n.meta["val"])}
-                            for n in step.outputs],
-                "compile_s": round(step.compile_s, 3)}
+        return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
 
     def program(self, k: int, trace_step: replay.Step) -> dict:
         program: Program = trace_step.program

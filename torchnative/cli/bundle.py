@@ -68,7 +68,9 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     for step in compiled.trace.steps:
         declined.update((op, d, why) for op, d, why in step.program.declined)
         for s in step.program.steps:
-            c = per.setdefault(s.delegate, Counter())
+            # a compile-only delegate's partition ships its artifact; eager runs it here
+            built = s.artifact.delegate if s.artifact is not None else s.delegate
+            c = per.setdefault(built if built == s.delegate else f"{built} (eager here)", Counter())
             c["partitions"] += 1
             c["ops"] += len(s.graph.op_nodes())
             c["seconds"] += s.compile_s
@@ -81,7 +83,7 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
         table.add_column(col, justify="left" if col == "delegate" else "right")
     for d, c in sorted(per.items(), key=lambda kv: -kv[1]["ops"]):
         table.add_row(d, str(c["partitions"]), str(c["ops"]), f"{100 * c['ops'] / total_ops:.0f}%",
-                      f"{c['seconds']:.2f}", f"{sizes.get(d, 0) / 1024:.0f}")
+                      f"{c['seconds']:.2f}", f"{sizes.get(d.split(' ')[0], 0) / 1024:.0f}")
     rows = [table]
     other = Table(title="also in the bundle")
     other.add_column("what")
@@ -89,7 +91,8 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     other.add_row("weights", f"{len(files['weights.safetensors']) / 1024:.0f} KiB: weights partitions take at load or run time (the rest are compiled into artifacts)")
     other.add_row("pinned", ", ".join(pinned) or "none")
     other.add_row("state", "none (bundles carry no state yet)")
-    other.add_row("fallbacks", "; ".join(f"{f.delegate}: {f.reason.splitlines()[0][:120]}" for f in fallbacks) or "none")
+    reasons = Counter(f"{f.delegate}: {f.reason.splitlines()[0][:160]}" for f in fallbacks)
+    other.add_row("fallbacks", "; ".join(f"{n}× {why}" for why, n in reasons.items()) or "none")
     for (op, d, why), n in declined.most_common(8):
         other.add_row(f"declined by {d}", f"{n}× {op}: {why[:120]}")
     other.add_row("check", "; ".join(f"{k} max rel diff {v:.1e}" for k, v in diffs.items())

@@ -2,6 +2,7 @@
 ExecuTorch. Each delegate module provides one `Delegate` instance."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol
@@ -72,5 +73,7 @@ _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-co
 def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` on the compile thread. A cut flushes from inside __torch_dispatch__, where torch
     has excluded the Python dispatch key for this thread; tracing compilers (torch.export) need it,
-    so compiles run on a thread whose dispatch state is fresh."""
+    so compiles run on a thread whose dispatch state is fresh. Called on that thread, runs there."""
+    if threading.current_thread().name.startswith("torchnative-compile"):
+        return fn(*args)  # the single worker waiting on itself would never return
     return _compiler.submit(fn, *args).result()

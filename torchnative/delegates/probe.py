@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Support
+from torchnative.delegates.base import YES, Support, in_clean_thread
 from torchnative.ir import CapturedGraph
 
 
@@ -104,7 +104,7 @@ class Probe:
 
     def _try(self, node: fx.Node) -> Support:
         try:
-            self.trial(alone(node))
+            in_clean_thread(self.trial, alone(node))  # asked from inside the door, where export cannot trace
             return YES
         except BaseException as e:  # noqa: BLE001 -- native compilers raise odd things (pyo3 panics)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, Runner, Support, in_clean_thread
+from torchnative.delegates.base import Artifact, Availability, Runner, Support
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
 from torchnative.delegates.ort import to_onnx
@@ -160,7 +160,7 @@ class Qnn:
 def _try_on_htp(qnn: Qnn, alone: CapturedGraph) -> None:
     inputs = random_inputs(alone)
     if inputs:  # else computed from weights alone: folded before HTP sees it
-        in_clean_thread(lambda: qnn.load(qnn.compile(alone)))(inputs)
+        qnn.load(qnn.compile(alone))(inputs)
 
 
 delegate = Qnn()

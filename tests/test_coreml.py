@@ -1,0 +1,163 @@
+"""The `coreml` delegate. Core ML predicts on macOS and iOS only: here the delegate is
+compile-only, so its tests prove what this machine can — every claimed op converts and its
+package validates (spec, ML program re-parsed with every weight blob), models' partitions compile
+and run on eager with the reason, bundles ship the packages — and the execution test runs on macOS."""
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchnative
+from tests.test_bundle import _compile, _eager, _fresh_run, _close
+from tests.test_delegates import OPS, SWEEP
+from torchnative import events, models
+from torchnative.delegates import REGISTRY, coreml
+from torchnative.runtime.program import clear_caches
+
+pytestmark = pytest.mark.skipif(REGISTRY["coreml"].available().status == "unavailable",
+                                reason=f"coreml: {REGISTRY['coreml'].available().reason}")
+ON_MAC = platform.system() == "Darwin"
+COMPILE_ONLY = "compile-only on this platform"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One disk cache for the module: which ops Core ML takes is probed once; its entries hold
+    the packages the tests validate."""
+    path = tmp_path_factory.mktemp("coreml-cache")
+    torchnative.set_cache_dir(path)
+    yield path
+    torchnative.set_cache_dir(None)
+    clear_caches()
+
+
+def _packages(cache: Path) -> list[bytes]:
+    return [e.read_bytes().split(b"\n", 1)[1] for e in sorted(cache.glob("*.entry"))]
+
+
+def test_status_is_truthful_here():
+    status = torchnative.delegates()["coreml"]
+    if ON_MAC:
+        assert status.status == "executes"
+    else:
+        assert status.status == "compile-only" and "macOS and iOS only" in status.reason
+
+
+def test_claimed_ops_convert_and_validate(cache, tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "1", "--delegates", "coreml", "--ops", ",".join(OPS),
+                           "--out", str(out)], capture_output=True, text=True, timeout=1800,
+                          env={**__import__("os").environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    print(f"coreml: {len(r['delegated'])} of {r['pass'] + r['fallback']} samples converted and validated")
+    assert not r["failures"], "\n".join(r["failures"])
+    # a claimed op that then failed to convert or validate is a fallback other than compile-only
+    assert not r["fallbacks"], "\n".join(r["fallbacks"])
+    assert len(r["delegated"]) >= 30, r["delegated"]
+
+
+# ~15-40 s apiece (each kind of node is converted alone once, then each partition); two by default
+@pytest.mark.parametrize("name", ["gpt2", "resnet", pytest.param("bert", marks=pytest.mark.slow),
+                                  pytest.param("vit", marks=pytest.mark.slow)])
+def test_models_compile_and_fall_back_with_the_reason(cache, name):
+    model = models.build(name)
+    model.config.use_cache = False
+    inputs = models.example_inputs(name, model)
+    fallbacks = []
+    stop = events.listen(lambda e: fallbacks.append(e) if isinstance(e, events.Fallback) else None)
+    before = set(cache.glob("*.entry"))
+    try:
+        with torch.no_grad():
+            expected = model(**inputs)
+            with torchnative.capture(["coreml"], compile_after=1):
+                got = model(**inputs)
+    finally:
+        stop()
+    key = "logits" if "logits" in expected else "last_hidden_state"
+    if ON_MAC:
+        torch.testing.assert_close(got[key], expected[key], rtol=2e-2, atol=2e-2)  # fp16 on the Neural Engine
+        return
+    torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)  # eager ran every partition here
+    assert fallbacks and all(f.delegate == "coreml" and f.reason.startswith(COMPILE_ONLY) for f in fallbacks)
+    converted = sum(f.n_ops for f in fallbacks)
+    total = sum(len(g.op_nodes()) for g in _graphs(model, inputs))
+    print(f"{name}: {converted}/{total} ops in Core ML partitions (converted, validated; eager here)")
+    assert converted >= 0.8 * total
+    new = [e.read_bytes().split(b"\n", 1)[1] for e in set(cache.glob("*.entry")) - before]
+    assert new
+    for payload in new:
+        described = coreml.describe(payload)
+        assert described["spec_version"] >= 9 and sum(described["ops"].values()) > 0  # iOS 18: spec 9
+
+
+def _graphs(model, inputs) -> list:
+    with torch.no_grad(), torchnative.capture(["eager"], compile_after=1):
+        return torchnative.explain(model, **inputs).graphs
+
+
+def test_weight_compression_shrinks_the_package(cache):
+    x = torch.randn(4, 256)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    compiled = []
+    stop = events.listen(lambda e: compiled.append(e.step) if isinstance(e, events.PartitionCompiled) else None)
+    try:
+        with torch.no_grad(), torchnative.capture(["coreml"], compile_after=1):
+            y = mlp(x)  # kept: a result nobody holds is never computed
+    finally:
+        stop()
+    graph = max((s.graph for s in compiled), key=lambda g: len(g.op_nodes()))  # the partition, weights included
+    assert len(graph.constants) == 4 and y.shape == (4, 256)
+    sizes, ops = {}, {}
+    for how in (None, "int8", "int4", "palettize4"):
+        artifact = coreml.CoreML(compress=how).compile(graph)
+        sizes[how], ops[how] = len(artifact.payload), artifact.meta["ops"]
+    print({k or "float16": f"{v / 1024:.0f} KiB" for k, v in sizes.items()})
+    assert sizes["int8"] < 0.6 * sizes[None] and sizes["int4"] < sizes["int8"] and sizes["palettize4"] < sizes["int8"]
+    assert "constexpr_blockwise_shift_scale" in ops["int8"] and "constexpr_lut_to_dense" in ops["palettize4"]
+
+
+def test_a_damaged_package_does_not_validate(cache):
+    import io
+    import zipfile
+
+    payload = next(p for p in _packages(cache) if b"weight.bin" in p)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(payload)) as z, zipfile.ZipFile(out, "w") as w:
+        for n in z.namelist():
+            data = z.read(n)
+            w.writestr(n, data[: len(data) // 2] if n.endswith("weight.bin") else data)
+    with pytest.raises(ValueError):
+        coreml.describe(out.getvalue())
+
+
+def test_a_bundle_ships_the_packages_and_runs_here_on_their_eager_fallback(cache, tmp_path):
+    bundle = tmp_path / "gpt2.bundle"
+    _compile("GPT2LMHeadModel", bundle, "--targets", "coreml")
+    _, inputs, expected = _eager("GPT2LMHeadModel")
+    _close(_fresh_run(bundle, inputs, tmp_path), expected)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    parts = [p for g in manifest["programs"] for p in g["partitions"] if p["delegate"] == "coreml"]
+    assert parts and all(p["artifact"].endswith(".mlpackage.zip") and "fallback" in p for p in parts)
+    for p in parts:
+        assert coreml.describe((bundle / p["artifact"]).read_bytes())["ops"]
+    loaded = torchnative.load(bundle)
+    assert len(loaded.fallbacks) == (0 if ON_MAC else len(parts))
+    assert all("macOS and iOS only" in why for _, _, why in loaded.fallbacks)
+
+
+@pytest.mark.skipif(not ON_MAC, reason="Core ML predicts on macOS and iOS only; this machine is "
+                                       f"{platform.system()} {platform.machine()}")
+def test_partitions_execute_on_macos():
+    model = models.build("bert")
+    inputs = models.example_inputs("bert", model)
+    with torch.no_grad():
+        expected = model(**inputs).last_hidden_state
+        with torchnative.capture(["coreml"], compile_after=1):
+            e = torchnative.explain(model, **inputs)
+    assert any(d == "coreml" for parts in e.partitions for d, _ in parts)
+    torch.testing.assert_close(e.output.last_hidden_state, expected, rtol=2e-2, atol=2e-2)

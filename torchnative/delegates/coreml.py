@@ -1,0 +1,212 @@
+"""Apple Neural Engine (and Core ML's GPU/CPU) through coremltools: a Core ATen subgraph →
+ExportedProgram (decomposed to Core ATen: coremltools rejects a raw export) → an ML program for
+iOS 18 / macOS 15, fp16 by default (the precision the Neural Engine computes in), optionally with
+compressed weights → the .mlpackage, zipped, is the artifact.
+
+Core ML predicts on macOS and iOS only. Elsewhere the delegate is compile-only: partitions are
+converted and validated (a bundle ships them), and run on eager with that reason. Which nodes
+Core ML takes is found by converting each kind of node alone (delegates/probe.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import io
+import logging
+import operator
+import platform
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import Artifact, Availability, CompileOnly, Runner, Support
+from torchnative.delegates.probe import Probe
+from torchnative.ir import CapturedGraph
+
+_HINT = "pip install coremltools==9.0"
+_ELSEWHERE = "Core ML runs models on macOS and iOS only"
+PRECISIONS = ("float16", "float32")
+COMPRESSIONS = (None, "int8", "int4", "palettize4")
+# dtypes an ML program's tensors can hold (int64 and bool inputs are narrowed by the converter)
+_DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.bool}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """coremltools reports each conversion pass on its loggers and with tqdm bars."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@functools.cache
+def _ct():
+    """coremltools, imported without its notes on untested torch/scikit-learn versions and on the
+    macOS-only libraries it cannot load here."""
+    with _quiet():
+        import coremltools
+
+        import coremltools.optimize.coreml  # noqa: F401 -- for _compress
+    return coremltools
+
+
+def _compress(mlmodel, how: str):
+    cto = _ct().optimize.coreml
+    if how == "int8":
+        config = cto.OptimizationConfig(global_config=cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8",
+                                                                                  granularity="per_channel"))
+        return cto.linear_quantize_weights(mlmodel, config)
+    if how == "int4":
+        config = cto.OptimizationConfig(global_config=cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4",
+                                                                                  granularity="per_block", block_size=32))
+        return cto.linear_quantize_weights(mlmodel, config)
+    if how == "palettize4":
+        config = cto.OptimizationConfig(global_config=cto.OpPalettizerConfig(mode="kmeans", nbits=4))
+        return cto.palettize_weights(mlmodel, config)
+    raise ValueError(f"unknown Core ML weight compression {how!r}; choose one of {COMPRESSIONS}")
+
+
+def _zip(folder: Path) -> bytes:
+    """The .mlpackage directory as deterministic zip bytes (sorted names, fixed times). Empty
+    directories are kept: the package's manifest names them (a weightless model's weights/)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for path in sorted(folder.rglob("*")):
+            name = str(path.relative_to(folder.parent)) + ("/" if path.is_dir() else "")
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            z.writestr(info, b"" if path.is_dir() else path.read_bytes())
+    return out.getvalue()
+
+
+def unpack(payload: bytes, into: Path) -> Path:
+    """The artifact's .mlpackage, unzipped under `into`."""
+    with zipfile.ZipFile(io.BytesIO(payload)) as z:
+        names = z.namelist()
+        unsafe = [n for n in names if n.startswith("/") or ".." in Path(n).parts]
+        if unsafe:
+            raise ValueError(f"a Core ML artifact names files outside its package: {unsafe[:3]}")
+        z.extractall(into)
+        top = {Path(n).parts[0] for n in names}
+    if len(top) != 1 or not next(iter(top)).endswith(".mlpackage"):
+        raise ValueError(f"a Core ML artifact holds one .mlpackage, this one holds {sorted(top)}")
+    return into / top.pop()
+
+
+def describe(payload: bytes) -> dict:
+    """What can be checked without running the model (anywhere): the package's spec loads, its ML
+    program parses back with every weight it references, its inputs and outputs, its operations
+    by type."""
+    ct = _ct()
+    from coremltools.converters.mil.frontend.milproto.load import load as parse
+
+    with tempfile.TemporaryDirectory() as tmp, _quiet():
+        package = unpack(payload, Path(tmp))
+        spec = ct.utils.load_spec(str(package))
+        weights = next(package.rglob("weights"), package)
+        parse(spec, spec.specificationVersion, file_weights_dir=str(weights))  # every op and weight blob reads back
+    ops: dict[str, int] = {}
+
+    def count(block):
+        for op in block.operations:
+            ops[op.type] = ops.get(op.type, 0) + 1
+            for b in op.blocks:
+                count(b)
+
+    for function in spec.mlProgram.functions.values():
+        for block in function.block_specializations.values():
+            count(block)
+    return {"spec_version": spec.specificationVersion,
+            "inputs": [i.name for i in spec.description.input], "outputs": [o.name for o in spec.description.output],
+            "ops": ops}
+
+
+class CoreML:
+    name = "coreml"
+    external_weights = False
+
+    def __init__(self, precision: str = "float16", compress: str | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown Core ML precision {precision!r}; choose one of {PRECISIONS}")
+        if compress not in COMPRESSIONS:
+            raise ValueError(f"unknown Core ML weight compression {compress!r}; choose one of {COMPRESSIONS}")
+        self.precision, self.compress = precision, compress
+        self._probe = Probe(self.name, "coreml-ops", "Core ML", self._convert)
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("coremltools") is None:
+            return Availability("unavailable", "coremltools is not installed", _HINT)
+        if platform.system() != "Darwin":
+            return Availability("compile-only", _ELSEWHERE)
+        return Availability("executes")
+
+    def supports(self, node: fx.Node) -> Support:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return Support(False, f"{node.target} is not an aten op")
+        if _op_name(node.target) not in _registered():
+            return Support(False, f"coremltools has no translation of {node.target}")
+        if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
+            return Support(False, f"coremltools translates the first result of {node.target} only")
+        for x in (node, *node.all_input_nodes):
+            v = x.meta.get("val")
+            for t in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(t, torch.Tensor) and t.dtype not in _DTYPES:
+                    return Support(False, f"{t.dtype} tensors: an ML program holds float16/32, int32 and bool")
+        return self._probe(node)
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        mlmodel = self._convert(graph)
+        with tempfile.TemporaryDirectory() as tmp, _quiet():
+            mlmodel.save(str(Path(tmp) / "model.mlpackage"))
+            payload = _zip(Path(tmp) / "model.mlpackage")
+        return Artifact(self.name, payload, {"n_outputs": len(graph.output_roles), "precision": self.precision,
+                                             "compress": self.compress, **describe(payload)})
+
+    def load(self, artifact: Artifact) -> Runner:
+        if platform.system() != "Darwin":
+            raise CompileOnly(_ELSEWHERE)
+        ct = _ct()
+        folder = tempfile.mkdtemp(prefix="torchnative-coreml-")
+        model = ct.models.MLModel(str(unpack(artifact.payload, Path(folder))))
+        inputs, outputs = artifact.meta["inputs"], artifact.meta["outputs"]
+
+        def runner(values: list[torch.Tensor], _keep=folder) -> list[torch.Tensor]:
+            got = model.predict({n: t.detach().numpy() for n, t in zip(inputs, values)})
+            return [torch.from_numpy(np.asarray(got[n])) for n in outputs]
+
+        return runner
+
+    def _convert(self, graph: CapturedGraph):
+        """The graph as a Core ML model (coremltools' MLModel, not loaded: it cannot be here)."""
+        ct = _ct()
+
+        precision = ct.precision.FLOAT16 if self.precision == "float16" else ct.precision.FLOAT32
+        with _quiet():
+            exported = graph.to_exported_program(dense=True).run_decompositions({})
+            mlmodel = ct.convert(exported, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                                 compute_precision=precision, skip_model_load=True)
+            return _compress(mlmodel, self.compress) if self.compress else mlmodel
+
+
+def _op_name(op: torch._ops.OpOverload) -> str:
+    return op._schema.name.split("::")[1]
+
+
+@functools.cache
+def _registered() -> frozenset[str]:
+    """Op names coremltools' torch frontend translates (by name, overloads folded)."""
+    _ct()
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
+    return frozenset(n.split(".")[0] for n in _TORCH_OPS_REGISTRY.name_to_func_mapping)
+
+
+delegate = CoreML()
