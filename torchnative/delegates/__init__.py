@@ -8,10 +8,11 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from torchnative.delegates import candle, coreml, eager, ort, qnn, xnnpack
+from torchnative.delegates import candle, coreml, eager, iree, ort, qnn, xnnpack
 from torchnative.delegates.base import Artifact, Availability, CompileOnly, Delegate, Support
 
-REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, candle.delegate,
+REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, iree.vulkan, iree.cpu,
+                                                     candle.delegate,
                                                      candle.q8_0, candle.q4k, eager.delegate)}
 # The fastest correct order measured here (benchmarks/models.py): ONNX Runtime led on every
 # workload; XNNPACK trailed it and takes fewer ops; candle is for quantized weights, by request.
@@ -21,6 +22,7 @@ DEFAULT: tuple[str, ...] = ("ort",)
 # the packages each delegate's artifacts are made and run with (bundle manifests, disk cache keys)
 _TOOLCHAIN = {"eager": ("torch",), "ort": ("onnxruntime", "onnx", "onnxscript"),
               "qnn": ("onnxruntime", "onnxruntime-qnn", "onnx", "onnxscript"), "xnnpack": ("executorch",), "coreml": ("coremltools",),
+              "vulkan": ("iree-base-compiler", "iree-base-runtime"), "iree-cpu": ("iree-base-compiler", "iree-base-runtime"),
               "candle": ("candle-nn",), "candle-q8_0": ("candle-nn",), "candle-q4k": ("candle-nn",)}
 
 

@@ -109,6 +109,8 @@ class Probe:
         except BaseException as e:  # noqa: BLE001 -- native compilers raise odd things (pyo3 panics)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):
                 raise
-            text = str(e).strip()
-            first = text.splitlines()[0][:160] if text else type(e).__name__
+            lines = str(e).strip().splitlines()
+            # a compiler's own diagnosis, not the line saying that the compiler failed
+            first = next((x.split("error:", 1)[1].strip() for x in lines if "error:" in x), lines[0] if lines else "")
+            first = first[:160] or type(e).__name__
             return Support(False, f"{self.backend} did not take it when compiled alone: {first}")
