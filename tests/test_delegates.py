@@ -25,6 +25,20 @@ EXECUTING = [name for name, d in REGISTRY.items()
 # compile or run time. For them fallbacks are allowed (counted, and results still checked); for the
 # others a fallback on a claimed op is a failure.
 IMPRECISE_CLAIMS = {"xnnpack"}
+# Compiling for them costs seconds per partition and per probed kind of node: the default run
+# checks `vulkan` on the op table, two models and generate; everything else about them (iree-cpu,
+# which shares vulkan's MLIR path, and vulkan's other models) runs under -m slow (CI runs both).
+SLOW_COMPILERS = {"iree-cpu"}
+DEFAULT_MODELS = {"gpt2", "resnet"}
+
+
+def _per_delegate(names: list[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COMPILERS else n for n in names]
+
+
+def _per_model(delegates: list[str], names: list[str]) -> list:
+    return [pytest.param(d, m, marks=pytest.mark.slow) if d in SLOW_COMPILERS or (d == "vulkan" and m not in DEFAULT_MODELS)
+            else (d, m) for d in delegates for m in names]
 
 # One table for every executing delegate: representative ops of the models we target.
 OPS = ["add", "mul", "div", "sub", "neg", "exp", "tanh", "sigmoid", "nn.functional.relu", "nn.functional.gelu",
@@ -42,7 +56,7 @@ def test_every_delegate_is_listed_with_a_status():
         assert a.status == "executes" or a.reason, name
 
 
-@pytest.mark.parametrize("delegate", EXECUTING)
+@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING))
 def test_claimed_ops_match_eager(delegate, tmp_path):
     out = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "2", "--delegates", delegate,
@@ -55,8 +69,7 @@ def test_claimed_ops_match_eager(delegate, tmp_path):
         assert not r["fallbacks"], "\n".join(r["fallbacks"])
 
 
-@pytest.mark.parametrize("delegate", EXECUTING)
-@pytest.mark.parametrize("name", sorted(models.BUILDERS))
+@pytest.mark.parametrize(("delegate", "name"), _per_model(EXECUTING, sorted(models.BUILDERS)))
 def test_models_match_eager_on_delegate(delegate, name):
     model = models.build(name)
     inputs = models.example_inputs(name, model, batch=2)
@@ -73,7 +86,7 @@ def test_models_match_eager_on_delegate(delegate, name):
         assert not torchnative.stats()["fallbacks"]
 
 
-@pytest.mark.parametrize("delegate", EXECUTING)
+@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING))
 def test_generate_same_tokens_on_delegate(delegate):
     model = models.build("gpt2")
     ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
