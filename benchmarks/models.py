@@ -2,7 +2,7 @@
 standalone (the whole model exported), in one run, engines interleaved with idle gaps.
 
     python benchmarks/models.py [--workloads bert,vit,resnet,gpt2-prefill,gpt2-decode] [--runs 20]
-                                [--delegates default,ort,xnnpack] [--no-compile]
+                                [--delegates default,ort,xnnpack,iree-cpu,vulkan,qnn,coreml] [--no-compile]
 
 Prints a table of median ms, speed-up over eager and seconds until compiled (the first call;
 accelerate's first two, as it compiles on the second); writes benchmarks/results/models.json.
@@ -120,8 +120,10 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
     return row
 
 
-# engines whose times here are not device speeds
-SIMULATED = {"qnn": "Hexagon HTP run by the QNN simulator on this x86_64 CPU: simulator times, not NPU speed"}
+# engines whose times here are not their device's speed
+SIMULATED = {"qnn": "Hexagon HTP run by the QNN simulator on this x86_64 CPU: simulator times, not NPU speed",
+             "vulkan": "software Vulkan (Mesa lavapipe) on this CPU: not a GPU's speed",
+             "coreml": "compile-only here (Core ML predicts on macOS/iOS only): its partitions run on eager"}
 
 
 def main() -> None:

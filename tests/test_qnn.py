@@ -93,3 +93,28 @@ def test_the_artifact_is_a_compiled_context_binary(cache):
     assert [n.op_type for n in nodes] == ["EPContext"]
     attrs = {a.name: a for a in nodes[0].attribute}
     assert attrs["embed_mode"].i == 1 and len(attrs["ep_cache_context"].s) > 0  # the HTP binary itself
+
+
+def test_a_calibration_set_widens_the_activation_ranges(cache):
+    """Built on small inputs alone, uint16 activation ranges clip large ones; calibrated on a set
+    of large inputs with `torchnative.calibrate()`, the same graph quantizes them finely."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).eval()
+    small, large = torch.randn(8, 16) * 0.01, torch.randn(8, 16) * 10
+    with torch.no_grad():
+        expected = mlp(large)
+
+    def error(calibration: list[torch.Tensor]) -> float:
+        clear_caches()
+        model = torchnative.accelerate(torch.nn.Sequential(*mlp), delegates=["qnn"], compile_after=1)
+        with torch.no_grad():
+            with torchnative.calibrate():
+                for x in calibration:
+                    model(x)
+            model(small)  # builds and compiles the graph: calibrated on `small` and the set
+            got = model(large)
+        return ((got - expected).norm() / expected.norm()).item()
+
+    alone, calibrated = error([]), error([torch.randn(8, 16) * 10 for _ in range(4)])
+    print(f"relative L2 on large inputs: calibrated on the small input alone {alone:.3g}, with a set of large ones {calibrated:.3g}")
+    assert calibrated < 0.05 and alone > 10 * calibrated  # 0.05: the bound of the model tests above

@@ -24,13 +24,14 @@ from torchnative.passes.pin import name_tensors
 from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
 from torchnative.passes.quantize import SCHEMES
+from torchnative.runtime import calibration as _calibration
 from torchnative.runtime import disk_cache
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.replay import Replayer, Tracer, guard_key
 from torchnative.runtime.session import real_outputs, session
 from torchnative.shim import LazyTensor, current_handler
 
-__all__ = ["load", "Bundle", "BundleError", "set_cache_dir", "accelerate", "deaccelerate", "capture", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
+__all__ = ["load", "Bundle", "BundleError", "set_cache_dir", "accelerate", "deaccelerate", "capture", "calibrate", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
            "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -95,7 +96,8 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         key = None
-        if replay and current_handler() is None:  # inside a capture, the outer session records
+        # inside a capture the outer session records; while calibrating every call is recorded
+        if replay and current_handler() is None and not _calibration.active():
             leaves, spec = pytree.tree_flatten((args, kwargs))
             key = guard_key(model, leaves, spec)
         if key is None:
@@ -125,6 +127,21 @@ def deaccelerate(model: torch.nn.Module) -> torch.nn.Module:
         del model.__dict__["forward"]
         del model.__dict__[_ORIGINAL]
     return model
+
+
+def calibrate() -> AbstractContextManager[None]:
+    """Calls inside the block are a calibration set for delegates that quantize activations
+    (`qnn`): each graph runs on eager and its inputs are kept (up to 64 sets per graph); the
+    program built for that graph after the block calibrates on all of them, besides the inputs it
+    is built with. Without it, activations are calibrated on those inputs alone.
+
+        model = torchnative.accelerate(model, delegates=["qnn"])
+        with torchnative.calibrate():
+            for batch in calibration_batches:
+                model(**batch)
+        model(**inputs)   # compiled for HTP, calibrated on every batch and these inputs
+    """
+    return _calibration.calibrate()
 
 
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Explanation:

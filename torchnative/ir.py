@@ -26,9 +26,10 @@ class CapturedGraph:
     output_roles: list[OutputRole]
     # values of `param` placeholders (by name) that a delegate may bake into its artifact
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    # values of every placeholder seen when the graph was built, for delegates that calibrate
-    # (quantized activations); set only when such a delegate compiles it
-    samples: list[torch.Tensor] | None = field(default=None, repr=False)
+    # sets of values of every placeholder (those seen when the graph was built, and any from
+    # `torchnative.calibrate()`), for delegates that calibrate (quantized activations); set only
+    # when such a delegate compiles it
+    samples: list[list[torch.Tensor]] | None = field(default=None, repr=False)
     _key: str | None = field(default=None, repr=False)
 
     def op_nodes(self) -> list[fx.Node]:

@@ -65,11 +65,13 @@ def _quiet():
         logging.disable(logging.NOTSET)
 
 
-def _runtime_samples(graph: CapturedGraph) -> list[np.ndarray]:
-    """Calibration inputs: the values seen when the graph was built, else normal noise."""
+def _runtime_samples(graph: CapturedGraph) -> list[list[np.ndarray]]:
+    """Calibration inputs: the sets of values the graph was built with and calibrated on, else
+    normal noise."""
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
-    samples = graph.samples or [torch.randn(n.meta["val"].shape) for n in placeholders]
-    return [s.detach().contiguous().numpy() for s, r in zip(samples, graph.input_roles) if r not in ("param", "constant")]
+    sets = graph.samples or [[torch.randn(n.meta["val"].shape) for n in placeholders]]
+    return [[s.detach().contiguous().numpy() for s, r in zip(values, graph.input_roles) if r not in ("param", "constant")]
+            for values in sets]
 
 
 class Qnn:
@@ -117,11 +119,11 @@ class Qnn:
         names = [i.name for i in model.graph.input]
         if not names:  # nodes claimed for their consumers (views of weights) left without them
             raise ValueError("the partition computes from weights alone: nothing to calibrate or run on HTP")
-        feed = dict(zip(names, _runtime_samples(graph)))
+        feeds = [dict(zip(names, values)) for values in _runtime_samples(graph)]
 
-        class _Once(CalibrationDataReader):
+        class _Sets(CalibrationDataReader):
             def __init__(self):
-                self.left = [feed]
+                self.left = feeds[::-1]
 
             def get_next(self):
                 return self.left.pop() if self.left else None
@@ -133,7 +135,7 @@ class Qnn:
             # folds the transposes of constant weights and the like: HTP rejects a Gemm whose
             # weight arrives through a Transpose
             quant_pre_process(fp32 + ".raw", fp32, skip_symbolic_shape=True)
-            config = get_qnn_qdq_config(fp32, _Once(), activation_type=getattr(QuantType, _TYPES[self.activations]),
+            config = get_qnn_qdq_config(fp32, _Sets(), activation_type=getattr(QuantType, _TYPES[self.activations]),
                                         weight_type=getattr(QuantType, _TYPES[self.weights]), per_channel=True)
             quantize(fp32, qdq, config)
             # compiling for HTP writes the context binary, embedded in an EPContext model

@@ -65,9 +65,10 @@ def key(delegate: Delegate, graph: CapturedGraph) -> str:
         h.update(f"\0{name}{t.dtype}{tuple(t.shape)}".encode())
         if t.numel() and not delegate.external_weights:
             h.update(_bytes(t))
-    for t in graph.samples or ():  # a calibrating delegate's artifact depends on the values it saw
-        if isinstance(t, torch.Tensor) and t.numel():
-            h.update(_bytes(t))
+    for values in graph.samples or ():  # a calibrating delegate's artifact depends on the values it saw
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.numel():
+                h.update(_bytes(t))
     return h.hexdigest()
 
 

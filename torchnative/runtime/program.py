@@ -19,7 +19,7 @@ from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, Plan, partition
 from torchnative.passes import prepare
 from torchnative.passes.pin import pin
-from torchnative.runtime import disk_cache
+from torchnative.runtime import calibration, disk_cache
 
 
 class CapturedOpError(RuntimeError):
@@ -64,8 +64,8 @@ def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[Cap
         env[n] = g.node_copy(n, env.__getitem__)
     g.output([env[o] for o in outputs])
     sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"] * len(outputs), constants)
-    if "sample" in values:
-        sub.samples = [values["sample"][i] for i in reads]
+    if "samples" in values:
+        sub.samples = [[seen[i] for i in reads] for seen in values["samples"]]
     return sub, reads, outputs
 
 
@@ -134,8 +134,10 @@ def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
 
 class Program:
     def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
-                 quantize: str | None = None, keep_artifacts: bool = False):
-        """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle."""
+                 quantize: str | None = None, keep_artifacts: bool = False,
+                 calibration: Sequence[list[torch.Tensor]] = ()):
+        """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle.
+        `calibration`: more sets of inputs, for delegates that calibrate on values."""
         started = time.perf_counter()
         graph, derived = prepare(graph, inputs, quantize)
         self.graph = graph
@@ -155,7 +157,7 @@ class Program:
             if any(p.delegate != EAGER for p in plan.partitions):
                 values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
                 if any(getattr(d, "calibrates", False) for d in delegates):
-                    values["sample"] = _sample_values(graph, inputs)
+                    values["samples"] = [_sample_values(graph, s) for s in (inputs, *(c + self.extra for c in calibration))]
                 by_name = {d.name: d for d in delegates}
                 parts = plan.partitions
                 events.emit(events.Partitioned(graph.key, tuple((p.delegate, len(p.nodes)) for p in parts)))
@@ -281,7 +283,10 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
     version), building it on a miss. Until the graph has run `compile_after` times it runs on
     eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
     every decode step) would never repay it."""
-    if compile_after > 1 and delegates != (eager,):
+    if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
+        calibration.keep((node, sig), inputs)
+        delegates = (eager,)
+    elif compile_after > 1 and delegates != (eager,):
         seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
         if seen < compile_after:
             delegates = (eager,)
@@ -299,7 +304,7 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
                    f"now an input of every program, never baked, folded or quantized")
     events.STATS.cache_misses += 1
     candidates[:] = [p for p in candidates if not p.stale()]
-    p = Program(build_graph(node, sig), delegates, inputs, quantize)
+    p = Program(build_graph(node, sig), delegates, inputs, quantize, calibration=calibration.sets((node, sig)))
     candidates.append(p)
     events.STATS.graphs_built += 1
     return p, False
@@ -311,5 +316,6 @@ def clear_caches() -> None:
 
     _programs.clear()
     _runs.clear()
+    calibration.forget()
     trie.ROOT.children.clear()
     meta._cache.clear()

@@ -1,0 +1,60 @@
+"""The IREE delegates (`vulkan`, `iree-cpu`) beyond the shared delegate table (tests/test_delegates.py
+runs their claimed ops and the models against eager): what they report here, what the probe finds
+each target cannot compile, and weights that stay out of the artifact."""
+import pytest
+import torch
+
+import torchnative
+from torchnative import events
+from torchnative.delegates import REGISTRY
+
+STATUS = {name: REGISTRY[name].available() for name in ("vulkan", "iree-cpu")}
+needs = {name: pytest.mark.skipif(s.status != "executes", reason=f"{name}: {s.reason}") for name, s in STATUS.items()}
+
+
+def _attention(q: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True) * 2
+
+
+def _run(delegate: str, fn, *args):
+    fallbacks, placed = [], []
+    stop = events.listen(lambda e: fallbacks.append(e) if isinstance(e, events.Fallback) else
+                         placed.extend(e.partitions) if isinstance(e, events.GraphRun) else None)
+    try:
+        with torch.no_grad(), torchnative.capture([delegate], compile_after=1):
+            e = torchnative.explain(fn, *args)
+    finally:
+        stop()
+    return e, placed, fallbacks
+
+
+@needs["vulkan"]
+def test_vulkan_says_when_it_is_software():
+    devices = __import__("iree.runtime").runtime.get_driver("vulkan").query_available_devices()
+    if any("llvmpipe" in d["name"] for d in devices):
+        assert "software Vulkan" in STATUS["vulkan"].reason and "lavapipe" in STATUS["vulkan"].reason
+
+
+@needs["iree-cpu"]
+def test_iree_cpu_compiles_attention_whole():
+    q = torch.randn(1, 2, 8, 16)
+    e, placed, fallbacks = _run("iree-cpu", _attention, q)
+    torch.testing.assert_close(e.output, _attention(q), rtol=1e-5, atol=1e-6)
+    assert placed == [("iree-cpu", 2)] and not fallbacks
+
+
+@needs["iree-cpu"]
+def test_weights_are_arguments_not_part_of_the_artifact():
+    x = torch.randn(2, 256)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    built = []
+    stop = events.listen(lambda e: built.append(e.step) if isinstance(e, events.PartitionCompiled) else None)
+    try:
+        with torch.no_grad(), torchnative.capture(["iree-cpu"], compile_after=1):
+            y = mlp(x)
+    finally:
+        stop()
+    torch.testing.assert_close(y, mlp(x), rtol=1e-5, atol=1e-5)
+    step = next(s for s in built if s.delegate == "iree-cpu")
+    weight_bytes = sum(p.numel() * 4 for p in mlp.parameters())
+    assert step.artifact_bytes < weight_bytes / 4  # the code alone; the weights are uploaded at load
