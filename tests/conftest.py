@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import os
 
@@ -32,6 +33,17 @@ def assert_same(a, b, rtol=1e-5, atol=1e-6):
             assert_same(a[k], b[k], rtol, atol)
     else:
         assert a == b, (a, b)
+
+
+@contextlib.contextmanager
+def record(*kinds):
+    """The events of these kinds emitted inside the block, in order."""
+    seen = []
+    stop = torchnative.events.listen(lambda e: seen.append(e) if isinstance(e, kinds) else None)
+    try:
+        yield seen
+    finally:
+        stop()
 
 
 def run_both(fn, *args):

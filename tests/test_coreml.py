@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchnative
+from tests.conftest import record
 from tests.test_bundle import _compile, _eager, _fresh_run, _close
 from tests.test_delegates import OPS, SWEEP
 from torchnative import events, models
@@ -68,16 +69,11 @@ def test_models_compile_and_fall_back_with_the_reason(cache, name):
     model = models.build(name)
     model.config.use_cache = False
     inputs = models.example_inputs(name, model)
-    fallbacks = []
-    stop = events.listen(lambda e: fallbacks.append(e) if isinstance(e, events.Fallback) else None)
     before = set(cache.glob("*.entry"))
-    try:
-        with torch.no_grad():
-            expected = model(**inputs)
-            with torchnative.capture(["coreml"], compile_after=1):
-                got = model(**inputs)
-    finally:
-        stop()
+    with torch.no_grad(), record(events.Fallback) as fallbacks:
+        expected = model(**inputs)
+        with torchnative.capture(["coreml"], compile_after=1):
+            got = model(**inputs)
     key = "logits" if "logits" in expected else "last_hidden_state"
     if ON_MAC:
         torch.testing.assert_close(got[key], expected[key], rtol=2e-2, atol=2e-2)  # fp16 on the Neural Engine
@@ -103,14 +99,9 @@ def _graphs(model, inputs) -> list:
 def test_weight_compression_shrinks_the_package(cache):
     x = torch.randn(4, 256)
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
-    compiled = []
-    stop = events.listen(lambda e: compiled.append(e.step) if isinstance(e, events.PartitionCompiled) else None)
-    try:
-        with torch.no_grad(), torchnative.capture(["coreml"], compile_after=1):
-            y = mlp(x)  # kept: a result nobody holds is never computed
-    finally:
-        stop()
-    graph = max((s.graph for s in compiled), key=lambda g: len(g.op_nodes()))  # the partition, weights included
+    with torch.no_grad(), record(events.PartitionCompiled) as compiled, torchnative.capture(["coreml"], compile_after=1):
+        y = mlp(x)  # kept: a result nobody holds is never computed
+    graph = max((e.step.graph for e in compiled), key=lambda g: len(g.op_nodes()))  # the partition, weights included
     assert len(graph.constants) == 4 and y.shape == (4, 256)
     sizes, ops = {}, {}
     for how in (None, "int8", "int4", "palettize4"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchnative
-from tests.conftest import assert_same
+from tests.conftest import assert_same, record
 from torchnative.delegates import REGISTRY
 from torchnative import models
 from torchnative.delegates.base import YES, Availability
@@ -130,17 +130,13 @@ def test_a_graph_is_compiled_once_it_repeats():
 
     clear_caches()  # another test may have run this graph already
     x = torch.randn(8)
-    placed = []
-    stop = torchnative.events.listen(lambda e: placed.append(e.partitions) if isinstance(e, torchnative.events.GraphRun) else None)
-    try:
-        torchnative.reset_stats()
+    torchnative.reset_stats()
+    with record(torchnative.events.GraphRun) as runs:
         for _ in range(3):
             with torchnative.capture(["ort"]):  # compile_after=2: eager first, then ORT
                 y = (x.sin() * 2).sum()
-    finally:
-        stop()
     assert torch.allclose(y, (x.sin() * 2).sum())
-    assert placed == [(("eager", 3),), (("ort", 3),), (("ort", 3),)]
+    assert [r.partitions for r in runs] == [(("eager", 3),), (("ort", 3),), (("ort", 3),)]
     s = torchnative.stats()
     assert s["graphs_built"] == 2 and s["cache_hits"] == 1
 

@@ -19,6 +19,7 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.inspector.html import write_html
 from torchnative.inspector.report import short_path
 from torchnative.inspector.trace import trace_events, write_trace
+from tests.conftest import record
 
 DELEGATES = ["candle", "ort"]
 ARTIFACTS = Path(os.environ.get("TORCHNATIVE_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts"))
@@ -118,14 +119,9 @@ def test_every_fallback_is_in_the_report(monkeypatch):
 
 
 def test_nothing_is_timed_outside_a_profile():
-    seen = []
-    stop = events.listen(seen.append)
-    try:
-        x = torch.randn(16, 16)
-        with torchnative.capture(["candle"], compile_after=1):
-            (x @ x).relu().sum().item()
-    finally:
-        stop()
+    x = torch.randn(16, 16)
+    with record(events.GraphRun, events.PartitionRun) as seen, torchnative.capture(["candle"], compile_after=1):
+        (x @ x).relu().sum().item()
     assert any(isinstance(e, events.GraphRun) for e in seen)
     assert not any(isinstance(e, events.PartitionRun) for e in seen)
     assert events.timing is False

@@ -7,6 +7,7 @@ import torch
 import torchnative
 from torchnative import events
 from torchnative.delegates import REGISTRY
+from tests.conftest import record
 
 STATUS = {name: REGISTRY[name].available() for name in ("vulkan", "iree-cpu")}
 needs = {name: pytest.mark.skipif(s.status != "executes", reason=f"{name}: {s.reason}") for name, s in STATUS.items()}
@@ -17,15 +18,10 @@ def _attention(q: torch.Tensor) -> torch.Tensor:
 
 
 def _run(delegate: str, fn, *args):
-    fallbacks, placed = [], []
-    stop = events.listen(lambda e: fallbacks.append(e) if isinstance(e, events.Fallback) else
-                         placed.extend(e.partitions) if isinstance(e, events.GraphRun) else None)
-    try:
-        with torch.no_grad(), torchnative.capture([delegate], compile_after=1):
-            e = torchnative.explain(fn, *args)
-    finally:
-        stop()
-    return e, placed, fallbacks
+    with torch.no_grad(), record(events.Fallback, events.GraphRun) as seen, torchnative.capture([delegate], compile_after=1):
+        e = torchnative.explain(fn, *args)
+    placed = [p for r in seen if isinstance(r, events.GraphRun) for p in r.partitions]
+    return e, placed, [f for f in seen if isinstance(f, events.Fallback)]
 
 
 @needs["vulkan"]
@@ -43,18 +39,24 @@ def test_iree_cpu_compiles_attention_whole():
     assert placed == [("iree-cpu", 2)] and not fallbacks
 
 
+@needs["vulkan"]
+def test_vulkan_declines_what_its_compiler_cannot_take_with_the_compilers_words():
+    q = torch.randn(1, 4, 16, 16)  # GPT-2 tiny's causal attention; at 8 positions it compiles
+    e, placed, fallbacks = _run("vulkan", _attention, q)
+    torch.testing.assert_close(e.output, _attention(q), rtol=1e-5, atol=1e-6)
+    assert placed == [("eager", 1), ("vulkan", 1)] and not fallbacks
+    (op, delegate, reason), = e.programs[0].declined
+    assert "flash_attention" in op and delegate == "vulkan"
+    assert reason.startswith("IREE (vulkan-spirv) did not take it when compiled alone: failed to legalize")
+
+
 @needs["iree-cpu"]
 def test_weights_are_arguments_not_part_of_the_artifact():
     x = torch.randn(2, 256)
     mlp = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
-    built = []
-    stop = events.listen(lambda e: built.append(e.step) if isinstance(e, events.PartitionCompiled) else None)
-    try:
-        with torch.no_grad(), torchnative.capture(["iree-cpu"], compile_after=1):
-            y = mlp(x)
-    finally:
-        stop()
+    with torch.no_grad(), record(events.PartitionCompiled) as built, torchnative.capture(["iree-cpu"], compile_after=1):
+        y = mlp(x)
     torch.testing.assert_close(y, mlp(x), rtol=1e-5, atol=1e-5)
-    step = next(s for s in built if s.delegate == "iree-cpu")
+    step = next(e.step for e in built if e.step.delegate == "iree-cpu")
     weight_bytes = sum(p.numel() * 4 for p in mlp.parameters())
     assert step.artifact_bytes < weight_bytes / 4  # the code alone; the weights are uploaded at load

@@ -8,6 +8,7 @@ import torch
 import torchnative
 from torchnative import events
 from torchnative.passes.quantize import dequantized
+from tests.conftest import record
 
 DELEGATES = ["ort"]
 
@@ -29,12 +30,8 @@ def _bn_stats(model):
 
 
 def _programs_built(fn):
-    seen = []
-    stop = events.listen(lambda e: seen.append(e) if isinstance(e, events.ProgramBuilt) else None)
-    try:
+    with record(events.ProgramBuilt) as seen:
         fn()
-    finally:
-        stop()
     return seen
 
 

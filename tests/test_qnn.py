@@ -15,6 +15,7 @@ from torchnative import events, models
 from torchnative.delegates import REGISTRY
 from torchnative.runtime.program import clear_caches
 
+from tests.conftest import record
 from tests.test_delegates import OPS, SWEEP
 
 pytestmark = pytest.mark.skipif(REGISTRY["qnn"].available().status != "executes",
@@ -74,15 +75,10 @@ def test_models_run_end_to_end_on_htp(cache, name):
 def test_the_artifact_is_a_compiled_context_binary(cache):
     import onnx
 
-    built = []
-    stop = events.listen(lambda e: built.append(e) if isinstance(e, events.ProgramBuilt) else None)
     x = torch.randn(4, 32)
     mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    try:
-        with torch.no_grad(), torchnative.capture(["qnn"], compile_after=1):
-            y = mlp(x)
-    finally:
-        stop()
+    with torch.no_grad(), record(events.ProgramBuilt) as built, torchnative.capture(["qnn"], compile_after=1):
+        y = mlp(x)
     with torch.no_grad():
         assert ((y - mlp(x)).norm() / mlp(x).norm()).item() < REL_L2
     step = next(s for s in built[-1].program.steps if s.delegate == "qnn")

@@ -34,6 +34,15 @@ class Support:
 YES = Support(True)
 
 
+def tensors(node: fx.Node):
+    """The tensors a node computes and reads (as traced): what a delegate's dtype and shape rules look at."""
+    for x in (node, *node.all_input_nodes):
+        v = x.meta.get("val")
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
 @dataclass
 class Artifact:
     """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate

@@ -24,7 +24,7 @@ try:
 except ImportError:  # available() says so, with the install hint
     candle = None
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, tensors
 from torchnative.ir import CapturedGraph
 
 _VERSION = "0.4.2"
@@ -558,14 +558,6 @@ _MISSING = {"convolution": "candle-nn 0.4.2's Python bindings have no convolutio
             "cumsum": "candle-nn 0.4.2's Python bindings have no cumsum"}
 
 
-def _values(node: fx.Node):
-    for x in (node, *node.all_input_nodes):
-        v = x.meta.get("val")
-        for t in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(t, torch.Tensor):
-                yield t
-
-
 # ---- compile: fold what params alone determine, quantize matmul weights, pack the weights ---------
 
 _BLOCK = {"q8_0": 32, "q4k": 256}  # GGUF block sizes along a weight's input dimension
@@ -622,7 +614,7 @@ class Candle:
             name = getattr(node.target, "_schema", None) and node.target._schema.name.split("::")[1]
             why = next((w for k, w in _MISSING.items() if name and name.startswith(k)), None)
             return Support(False, why or f"no candle lowering for {node.target}")
-        for v in _values(node):
+        for v in tensors(node):
             if v.dtype not in _DTYPES:
                 held = v.dtype in (torch.float16, torch.bfloat16, torch.float64, torch.uint8)
                 return Support(False, f"{v.dtype} tensors: " + (
@@ -671,11 +663,11 @@ class Candle:
             blocks = {name: loaded[name].quantize(self.quant) for name in quantize}
             candle.utils.save_gguf(f.path, blocks, {})
             gguf = f.read()
-        tensors = b"".join(_safetensors(fp32))
-        meta = {"graph": graph, "folded": {n.name for n in values}, "safetensors_bytes": len(tensors),
+        packed = b"".join(_safetensors(fp32))
+        meta = {"graph": graph, "folded": {n.name for n in values}, "safetensors_bytes": len(packed),
                 "quantized": {origin[n]: self.quant for n in kept if n.name in quantize},
                 "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in quantize})}
-        return Artifact(self.name, tensors + gguf, meta)
+        return Artifact(self.name, packed + gguf, meta)
 
     def _load(self, artifact: Artifact) -> Runner:
         meta, payload = artifact.meta, memoryview(artifact.payload)

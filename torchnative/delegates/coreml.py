@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, CompileOnly, Runner, Support
+from torchnative.delegates.base import Artifact, Availability, CompileOnly, Runner, Support, tensors
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
 
@@ -156,11 +156,9 @@ class CoreML:
             return Support(False, f"coremltools has no translation of {node.target}")
         if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, f"coremltools translates the first result of {node.target} only")
-        for x in (node, *node.all_input_nodes):
-            v = x.meta.get("val")
-            for t in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(t, torch.Tensor) and t.dtype not in _DTYPES:
-                    return Support(False, f"{t.dtype} tensors: an ML program holds float16/32, int32 and bool")
+        for t in tensors(node):
+            if t.dtype not in _DTYPES:
+                return Support(False, f"{t.dtype} tensors: an ML program holds float16/32, int32 and bool")
         return self._probe(node)
 
     def compile(self, graph: CapturedGraph) -> Artifact:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, Runner, Support
+from torchnative.delegates.base import Artifact, Availability, Runner, Support, tensors
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
 
@@ -161,13 +161,11 @@ class Iree:
     def supports(self, node: fx.Node) -> Support:
         if not isinstance(node.target, torch._ops.OpOverload):
             return Support(False, f"{node.target} is not an aten op")
-        for x in (node, *node.all_input_nodes):
-            v = x.meta.get("val")
-            for t in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(t, torch.Tensor) and t.dtype not in _DTYPES:
-                    return Support(False, f"{t.dtype} tensors are not compiled for {self.name}")
-                if isinstance(t, torch.Tensor) and t.numel() == 0:
-                    return Support(False, "empty tensors: IREE's runtime rejects zero-size buffers")
+        for t in tensors(node):
+            if t.dtype not in _DTYPES:
+                return Support(False, f"{t.dtype} tensors are not compiled for {self.name}")
+            if t.numel() == 0:
+                return Support(False, "empty tensors: IREE's runtime rejects zero-size buffers")
         if node.target is torch.ops.aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
             return Support(False, "IREE's tanh-approximated gelu differs from eager's by up to 5e-5 (OpInfo sweep)")
         return self._probe(node)

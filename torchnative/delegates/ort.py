@@ -11,7 +11,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, tensors
 from torchnative.ir import CapturedGraph
 
 _HINT = "pip install onnxruntime onnxscript onnx"
@@ -22,15 +22,6 @@ _SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
                     "aminmax", "view_as_complex", "view_as_real", "complex", "polar"})
 _REDUCTIONS = frozenset({"amax", "amin", "logsumexp", "max", "min", "argmax", "argmin"})
-
-
-def _values(node: fx.Node):
-    for x in (node, *node.all_input_nodes):
-        v = x.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, (list, tuple)):
-            yield from (t for t in v if isinstance(t, torch.Tensor))
 
 
 def _grouped_query(node: fx.Node) -> bool:
@@ -91,10 +82,10 @@ class OnnxRuntime:
         name = node.target._schema.name.split("::")[1]
         if name in _WRONG or name.startswith(("special_", "linalg_", "_linalg_", "_fft_")):
             return Support(False, f"torchlib's translation of {node.target} disagrees with eager (OpInfo sweep)")
-        for v in _values(node):
+        for v in tensors(node):
             if v.dtype.is_complex or v.dtype == torch.bfloat16:
                 return Support(False, f"{v.dtype} tensors: ONNX Runtime's CPU kernels or numpy cannot hold them")
-        if name in _REDUCTIONS and any(v.dim() == 0 for v in _values(node)):
+        if name in _REDUCTIONS and any(v.dim() == 0 for v in tensors(node)):
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
