@@ -96,6 +96,7 @@ class Stats:
     replay_ineligible: Counter = field(default_factory=Counter)  # why a call cannot be replayed
     pinned: dict = field(default_factory=dict)          # tensor label -> why it is pinned
     quantized: Counter = field(default_factory=Counter)  # "scheme: quantized" or why a weight was not
+    folded: int = 0                       # values computed from weights alone when a program was built
     disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
 
     def as_dict(self) -> dict:
@@ -104,7 +105,7 @@ class Stats:
                 "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
-                "pinned": dict(self.pinned), "quantized": dict(self.quantized),
+                "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
                 "disk_cache": dict(self.disk_cache)}
 
 

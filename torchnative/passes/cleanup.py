@@ -7,7 +7,7 @@ import torch.fx as fx
 from torchnative.ir import CapturedGraph
 
 
-def _pure(n: fx.Node) -> bool:
+def pure(n: fx.Node) -> bool:
     target = n.target
     if not isinstance(target, torch._ops.OpOverload):
         return n.op == "call_function"  # operator.getitem on a multi-output op
@@ -21,7 +21,7 @@ def cse(graph: CapturedGraph) -> CapturedGraph:
     out = next(n for n in reversed(g.nodes) if n.op == "output")
     escaping = set(out.all_input_nodes)  # two outputs must stay two tensors: one may be written
     for n in list(g.nodes):
-        if n.op != "call_function" or not _pure(n):
+        if n.op != "call_function" or not pure(n):
             continue
         key = (n.target, repr(n.args), repr(sorted(n.kwargs.items())))
         first = seen.setdefault(key, n)

@@ -1,0 +1,79 @@
+"""Passes on their own: constant folding (what weights alone determine is computed once, at
+build; never from pinned tensors; recomputed when a weight changes; autograd unaffected)."""
+import torch
+
+import torchnative
+from torchnative import events
+from tests.conftest import record
+
+aten = torch.ops.aten
+
+
+class Rotary(torch.nn.Module):
+    """A scaled weight and a RoPE-style table from a buffer and arange: all foldable."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[0]).float()[:, None] * self.inv_freq[None, :]
+        table = torch.cat([angles.cos(), angles.sin()], -1)
+        return (x * table) @ (self.w * 0.5).t()
+
+
+def _built(model, x):
+    """The output and the graph of the program built for `model(x)` (buffers are weights, as
+    under `accelerate`)."""
+    torchnative.accelerate(model, delegates=["eager"], compile_after=1, replay=False)
+    try:
+        with record(events.ProgramBuilt) as built:
+            y = model(x)
+    finally:
+        torchnative.deaccelerate(model)
+    return y, built[-1].program.graph
+
+
+def _weight_scaled(graph) -> bool:
+    """Does the graph still compute `w * 0.5`?"""
+    return any(n.target is aten.mul.Tensor and n.args[1] == 0.5 for n in graph.op_nodes())
+
+
+def test_folds_what_weights_alone_determine():
+    model, x = Rotary(), torch.randn(8, 16)
+    torchnative.reset_stats()
+    y, graph = _built(model, x)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    ops = set(graph.ops())
+    assert not _weight_scaled(graph) and not {"aten.cos.default", "aten.sin.default", "aten.arange.start_step"} & ops
+    assert graph.input_roles.count("constant") == 2  # the scaled weight and the table
+    assert torchnative.stats()["folded"] == 2
+
+
+def test_nothing_read_from_a_pinned_tensor_is_folded():
+    model, x = Rotary(), torch.randn(8, 16)
+    torchnative.pin(model.w)
+    y, graph = _built(model, x)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    assert _weight_scaled(graph) and graph.input_roles.count("constant") == 1  # the table only
+
+
+def test_a_changed_weight_is_not_served_from_an_old_fold():
+    model, x = Rotary(), torch.randn(8, 16)
+    for _ in range(3):
+        with torchnative.capture(["ort"], compile_after=1):
+            y = model(x)
+        torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            model.w.mul_(1.5)  # an update between calls, as test-time training makes
+
+
+def test_gradients_flow_to_a_folded_weight():
+    model, x = Rotary(), torch.randn(8, 16)
+    reference = Rotary()
+    reference.load_state_dict(model.state_dict())
+    reference(x).square().sum().backward()
+    with torchnative.capture(["ort"], compile_after=1):
+        model(x).square().sum().backward()
+    torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5)

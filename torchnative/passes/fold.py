@@ -1,0 +1,87 @@
+"""Constant folding: what `param` and `constant` inputs alone determine (a RoPE table from its
+inverse frequencies, a scaled weight, a mask built from `arange`) is computed once, when the
+program is built, and enters the graph as a `constant` input. `pinned` and `state` inputs change at
+test time, so nothing that reads them is folded."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from torchnative import events
+from torchnative.ir import CapturedGraph
+from torchnative.passes.cleanup import dce, pure
+from torchnative.passes.derived import Derived, add_constant, placeholders
+
+# a folded value may be larger than what it is computed from (a mask from `arange`), up to this
+_GROWTH = 1 << 20  # bytes
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _foldable(n: fx.Node, known: dict[fx.Node, set[int]]) -> bool:
+    if n.op != "call_function" or not pure(n):
+        return False
+    if not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem:
+        return False
+    return all(a in known for a in n.all_input_nodes)
+
+
+def _free(n: fx.Node) -> bool:
+    """A view of a view … of an input: folding it saves nothing, and quantization and delegates
+    recognise a weight through its views."""
+    while n.op == "call_function":
+        if not getattr(n.target, "is_view", False):
+            return False
+        n = n.args[0]
+    return True
+
+
+def fold_constants(graph: CapturedGraph, inputs: list[torch.Tensor], derived: Derived) -> CapturedGraph:
+    """Replace each value that weights alone determine, and that a runtime op reads, by a constant
+    input computed now. `derived.sources` gains the weights it came from: a change to one of them
+    makes the program stale."""
+    g = graph.gm.graph
+    known: dict[fx.Node, set[int]] = {}  # foldable node -> indices of the inputs it derives from
+    for i, (p, role) in enumerate(zip(placeholders(graph), graph.input_roles)):
+        if role in ("param", "constant"):
+            known[p] = {i}
+    for n in g.nodes:
+        if _foldable(n, known):
+            known[n] = set().union(*(known[a] for a in n.all_input_nodes))
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    frontier = [n for n in known if n.op == "call_function" and not _free(n) and n not in out.all_input_nodes
+                and any(u not in known for u in n.users)]
+    if not frontier:
+        return graph
+    values = _evaluate(graph, inputs, frontier)
+    folded = 0
+    for n in frontier:
+        value = values[n]
+        read = sum(_bytes(inputs[i]) for i in known[n])
+        if not isinstance(value, torch.Tensor) or _bytes(value) > max(read, _GROWTH):
+            continue
+        p = add_constant(graph, n, f"{n.name}_folded")
+        n.replace_all_uses_with(p)
+        derived.tensors.append(value)
+        derived.sources |= known[n]
+        folded += 1
+    events.STATS.folded += folded
+    return dce(graph) if folded else graph
+
+
+def _evaluate(graph: CapturedGraph, inputs: list[torch.Tensor], wanted: list[fx.Node]) -> dict[fx.Node, object]:
+    """Eager values of `wanted`, computing only what they need."""
+    env: dict[fx.Node, object] = dict(zip(placeholders(graph), inputs))
+
+    def value(n: fx.Node):
+        if n not in env:
+            args, kwargs = fx.map_arg((n.args, n.kwargs), value)
+            env[n] = n.target(*args, **kwargs)
+        return env[n]
+
+    with torch.no_grad():  # autograd records above the door, on the lazy tensors; these are values
+        return {n: value(n) for n in wanted}
