@@ -134,13 +134,18 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     a = p.parse_args()
     delegates = [d for d in a.delegates.split(",") if d]
+    notes = {f"accel[{d}]": SIMULATED[d] for d in delegates if d in SIMULATED}
+    name = "models" if not notes else "models_" + "_".join(d for d in delegates if d in SIMULATED)
     rows = []
-    for name in a.workloads.split(","):
+    for workload in a.workloads.split(","):
         try:
-            rows.append(bench(name, a.runs, delegates, not a.no_compile))
+            rows.append(bench(workload, a.runs, delegates, not a.no_compile))
         except Exception as e:  # one broken workload must not lose the others' figures
-            rows.append({"workload": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
-        print(f"  done {name}: {rows[-1].get('error', 'ok')}", flush=True)
+            rows.append({"workload": workload, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+        done = {k[:-2]: round(v, 2) for k, v in rows[-1].items() if k.endswith("_x")}
+        print(f"  done {workload}: {rows[-1].get('error', done)}", flush=True)
+        # kept as it goes: a long run stopped halfway keeps the workloads it finished
+        write(name, {"torch": torch.__version__, "rows": rows, "notes": notes, "complete": False})
     engines = ["eager", "torch.compile", *(f"accel[{d}]" for d in delegates), "ort_standalone"]
     for r in rows:
         for e in engines:
@@ -163,9 +168,7 @@ def main() -> None:
     if vs:
         print("accel[default] vs ort_standalone (>1 is faster): "
               + ", ".join(f"{w} {x:.2f}x" for w, x in vs.items()))
-    notes = {f"accel[{d}]": SIMULATED[d] for d in delegates if d in SIMULATED}
-    name = "models" if not notes else "models_" + "_".join(d for d in delegates if d in SIMULATED)
-    print(f"wrote {write(name, {'torch': torch.__version__, 'rows': rows, 'geomean': geo, 'notes': notes})}")
+    print(f"wrote {write(name, {'torch': torch.__version__, 'rows': rows, 'geomean': geo, 'notes': notes, 'complete': True})}")
 
 
 if __name__ == "__main__":
