@@ -32,6 +32,14 @@ class CapturedGraph:
     samples: list[list[torch.Tensor]] | None = field(default=None, repr=False)
     _key: str | None = field(default=None, repr=False)
 
+    def copy(self) -> "CapturedGraph":
+        """The same graph in new nodes (meta shared), for passes that rewrite it: the captured
+        graph stays as recorded, to be prepared again (a weight pinned, other delegates)."""
+        g = fx.Graph()
+        g.output(g.graph_copy(self.gm.graph, {}))
+        return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), list(self.input_roles), list(self.output_roles),
+                             self.constants, self.samples)
+
     def op_nodes(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
 

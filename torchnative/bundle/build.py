@@ -62,7 +62,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tup
 def compile_trace(trace: Trace, run_inputs: list, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
     """Each program of `trace` built again for `targets` (preference order), artifacts kept."""
     delegates = resolve(targets)
-    steps = tuple(dataclasses.replace(step, program=Program(step.program.graph, delegates, args, quantize, keep_artifacts=True))
+    steps = tuple(dataclasses.replace(step, program=Program(step.program.captured, delegates, args, quantize, keep_artifacts=True))
                   for step, args in zip(trace.steps, run_inputs))
     return dataclasses.replace(trace, steps=steps)
 

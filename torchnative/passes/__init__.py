@@ -15,7 +15,7 @@ def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | No
     """Pinned roles, CSE/DCE, constant folding, weight quantization. The Derived tensors are
     appended to the program's inputs on every call."""
     derived = Derived()
-    graph = cse(hoist_placeholders(apply_pins(graph, inputs)))
+    graph = cse(hoist_placeholders(apply_pins(graph.copy(), inputs)))
     graph = fold_constants(graph, inputs, derived)
     if quantize is not None:
         graph = quantize_weights(graph, inputs, quantize, derived)

@@ -139,6 +139,7 @@ class Program:
         """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle.
         `calibration`: more sets of inputs, for delegates that calibrate on values."""
         started = time.perf_counter()
+        self.captured = graph  # as recorded: what a program for other delegates is built from
         graph, derived = prepare(graph, inputs, quantize)
         self.graph = graph
         self.extra = derived.tensors  # constants the passes computed, appended to every call's inputs
