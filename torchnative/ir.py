@@ -33,8 +33,9 @@ class CapturedGraph:
     _key: str | None = field(default=None, repr=False)
 
     def copy(self) -> "CapturedGraph":
-        """The same graph in new nodes (meta shared), for passes that rewrite it: the captured
-        graph stays as recorded, to be prepared again (a weight pinned, other delegates)."""
+        """The same graph in new nodes (each meta dict copied, its values shared), for passes
+        that rewrite it: the captured graph stays as recorded, to be prepared again (a weight
+        pinned, other delegates)."""
         g = fx.Graph()
         g.output(g.graph_copy(self.gm.graph, {}))
         return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), list(self.input_roles), list(self.output_roles),
