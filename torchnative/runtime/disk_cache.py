@@ -66,8 +66,9 @@ def key(delegate: Delegate, graph: CapturedGraph) -> str:
         if t.numel() and not delegate.external_weights:
             h.update(_bytes(t))
     for values in graph.samples or ():  # a calibrating delegate's artifact depends on the values it saw
-        for t in values:
-            if isinstance(t, torch.Tensor) and t.numel():
+        for t, role in zip(values, graph.input_roles):
+            # weights are the same tensors in every set, hashed once above
+            if role not in ("param", "constant") and isinstance(t, torch.Tensor) and t.numel():
                 h.update(_bytes(t))
     return h.hexdigest()
 

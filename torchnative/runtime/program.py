@@ -135,9 +135,9 @@ def _fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
 class Program:
     def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
                  quantize: str | None = None, keep_artifacts: bool = False,
-                 calibration: Sequence[list[torch.Tensor]] = ()):
+                 calibration_sets: Sequence[list[torch.Tensor]] = ()):
         """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle.
-        `calibration`: more sets of inputs, for delegates that calibrate on values."""
+        `calibration_sets`: more sets of inputs, for delegates that calibrate on values."""
         started = time.perf_counter()
         self.captured = graph  # as recorded: what a program for other delegates is built from
         graph, derived = prepare(graph, inputs, quantize)
@@ -158,7 +158,7 @@ class Program:
             if any(p.delegate != EAGER for p in plan.partitions):
                 values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
                 if any(getattr(d, "calibrates", False) for d in delegates):
-                    values["samples"] = [_sample_values(graph, s) for s in (inputs, *(c + self.extra for c in calibration))]
+                    values["samples"] = [_sample_values(graph, s) for s in (inputs, *(c + self.extra for c in calibration_sets))]
                 by_name = {d.name: d for d in delegates}
                 parts = plan.partitions
                 events.emit(events.Partitioned(graph.key, tuple((p.delegate, len(p.nodes)) for p in parts)))
@@ -305,7 +305,7 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
                    f"now an input of every program, never baked, folded or quantized")
     events.STATS.cache_misses += 1
     candidates[:] = [p for p in candidates if not p.stale()]
-    p = Program(build_graph(node, sig), delegates, inputs, quantize, calibration=calibration.sets((node, sig)))
+    p = Program(build_graph(node, sig), delegates, inputs, quantize, calibration_sets=calibration.sets((node, sig)))
     candidates.append(p)
     events.STATS.graphs_built += 1
     return p, False
