@@ -99,6 +99,7 @@ def test_generate_same_tokens_on_delegate(delegate):
 class _Broken:
     """Claims every op, then cannot compile any."""
     name = "broken"
+    composites = frozenset()
 
     def available(self):
         return Availability("executes")

@@ -97,6 +97,7 @@ class Stats:
     pinned: dict = field(default_factory=dict)          # tensor label -> why it is pinned
     quantized: Counter = field(default_factory=Counter)  # "scheme: quantized" or why a weight was not
     folded: int = 0                       # values computed from weights alone when a program was built
+    fused: Counter = field(default_factory=Counter)  # composite -> matches fused into partitions compiled
     disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
 
     def as_dict(self) -> dict:
@@ -106,7 +107,7 @@ class Stats:
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
-                "disk_cache": dict(self.disk_cache)}
+                "fused": dict(self.fused), "disk_cache": dict(self.disk_cache)}
 
 
 STATS = Stats()

@@ -10,6 +10,10 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+# meta a pass derives and lowering depends on (part of the key): the value's last dim repeats its
+# first half (passes.fuse.mark_halves), so a fused RoPE kernel may read that half alone
+HALVES = "repeats_halves"
+
 Role = Literal["input", "param", "pinned", "state", "constant"]
 OutputRole = Literal["output", "state_update"]
 
@@ -81,7 +85,8 @@ class CapturedGraph:
             h = hashlib.sha256()
             for n in self.gm.graph.nodes:
                 val = n.meta.get("val")
-                meta = (tuple(val.shape), tuple(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None
+                meta = (tuple(val.shape), tuple(val.stride()), val.dtype, n.meta.get(HALVES, False)) \
+                    if isinstance(val, torch.Tensor) else None
                 h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta)).encode())
             h.update(repr((self.input_roles, self.output_roles)).encode())
             self._key = h.hexdigest()

@@ -66,6 +66,7 @@ class CompileOnly(RuntimeError):
 class Delegate(Protocol):
     name: str
     external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)
+    composites: frozenset[str]  # fusions (passes.fuse.COMPOSITES) it maps to one kernel, applied before compile
 
     def available(self) -> Availability: ...
 

@@ -594,6 +594,7 @@ def _weight(n: fx.Node, value: torch.Tensor, quant: str | None) -> torch.Tensor 
 
 class Candle:
     external_weights = False
+    composites: frozenset[str] = frozenset()
 
     def __init__(self, name: str, quant: str | None = None):
         self.name, self.quant = name, quant

@@ -131,6 +131,7 @@ def _device(driver: str):
 
 class Iree:
     external_weights = True  # weights are arguments, uploaded once at load
+    composites: frozenset[str] = frozenset()
 
     def __init__(self, name: str, backend: str, driver: str, flags: tuple[str, ...] = (), decompose: tuple[str, ...] = ()):
         """`decompose`: ops this target's code generation lacks, besides BatchNorm's."""

@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, tensors
 from torchnative.ir import CapturedGraph
+from torchnative.passes.fuse import COMPOSITES, gelu_tanh_op, rms_norm_op, rope_op
 
 _HINT = "pip install onnxruntime onnxscript onnx"
 _SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -55,18 +56,45 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
     return moved
 
 
+@functools.cache
+def _composites() -> dict:
+    """ONNX translations of the composites (passes.fuse) ONNX Runtime runs as one kernel (opset 23)."""
+    from onnxscript import opset23 as op
+
+    def rms_norm(x, weight, eps: float):
+        return op.RMSNormalization(x, weight, axis=-1, epsilon=eps, stash_type=1)
+
+    def gelu_tanh(x):
+        return op.Gelu(x, approximate="tanh")
+
+    def rope(x, cos, sin):
+        # the fusion proved cos and sin repeat their first half; ONNX's kernel reads that half,
+        # [batch, positions, half] (cos is [batch or 1, 1, positions, head_size])
+        batch, _, positions, size = x.shape
+        ints = lambda *v: op.Constant(value_ints=list(v))  # noqa: E731
+
+        def half(t):
+            t = op.Squeeze(op.Slice(t, ints(0), ints(size // 2), ints(3)), ints(1))
+            return op.Expand(t, ints(batch, positions, size // 2))
+        return op.RotaryEmbedding(x, half(cos), half(sin))
+
+    return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope}
+
+
 def to_onnx(graph: CapturedGraph):
-    """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
-    constants are initializers named like their placeholders."""
+    """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram, opset 23);
+    its constants are initializers named like their placeholders."""
     exported = graph.to_exported_program()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False).model_proto
+        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23,
+                                 custom_translation_table=_composites()).model_proto
 
 
 class OnnxRuntime:
     name = "ort"
     external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
+    composites = frozenset(COMPOSITES) - {"gelu_tanh"}  # its optimizer fuses GELU's tanh pattern itself
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]

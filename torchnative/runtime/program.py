@@ -18,6 +18,7 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, Plan, partition
 from torchnative.passes import prepare
+from torchnative.passes.fuse import fuse
 from torchnative.passes.pin import pin
 from torchnative.runtime import calibration, disk_cache
 
@@ -114,7 +115,7 @@ def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable | None, s
             return (*_load(delegate, artifact), artifact)
         except Exception:
             disk_cache.discard(entry)
-    artifact = delegate.compile(graph)
+    artifact = delegate.compile(fuse(graph, delegate.composites))
     if entry:
         disk_cache.put(entry, artifact)
     return (*_load(delegate, artifact), artifact)
