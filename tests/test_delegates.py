@@ -26,18 +26,20 @@ EXECUTING = [name for name, d in REGISTRY.items()
 # others a fallback on a claimed op is a failure.
 IMPRECISE_CLAIMS = {"xnnpack"}
 # Compiling for them costs seconds per partition and per probed kind of node: the default run
-# checks `vulkan` on the op table, two models and generate; everything else about them (iree-cpu,
-# which shares vulkan's MLIR path, and vulkan's other models) runs under -m slow (CI runs both).
+# checks `vulkan` on two models and generate; its op table, iree-cpu (which shares vulkan's MLIR
+# path) and vulkan's other models run under -m slow (CI runs both). xnnpack's other models too.
 SLOW_COMPILERS = {"iree-cpu"}
+SLOW_OP_TABLES = {"vulkan"}
+FEW_MODELS = {"vulkan", "xnnpack"}
 DEFAULT_MODELS = {"gpt2", "resnet"}
 
 
-def _per_delegate(names: list[str]) -> list:
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COMPILERS else n for n in names]
+def _per_delegate(names: list[str], slow: set[str] = frozenset()) -> list:
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COMPILERS | slow else n for n in names]
 
 
 def _per_model(delegates: list[str], names: list[str]) -> list:
-    return [pytest.param(d, m, marks=pytest.mark.slow) if d in SLOW_COMPILERS or (d == "vulkan" and m not in DEFAULT_MODELS)
+    return [pytest.param(d, m, marks=pytest.mark.slow) if d in SLOW_COMPILERS or (d in FEW_MODELS and m not in DEFAULT_MODELS)
             else (d, m) for d in delegates for m in names]
 
 # One table for every executing delegate: representative ops of the models we target.
@@ -56,7 +58,7 @@ def test_every_delegate_is_listed_with_a_status():
         assert a.status == "executes" or a.reason, name
 
 
-@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING))
+@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING, SLOW_OP_TABLES))
 def test_claimed_ops_match_eager(delegate, tmp_path):
     out = tmp_path / "sweep.json"
     proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "2", "--delegates", delegate,

@@ -3,6 +3,7 @@
 pinned/state tensors never folded or quantized."""
 import copy
 
+import pytest
 import torch
 
 import torchnative
@@ -11,6 +12,15 @@ from torchnative.passes.quantize import dequantized
 from tests.conftest import record
 
 DELEGATES = ["ort"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_cache(tmp_path_factory):
+    """One disk cache for the module: train-mode BatchNorm splits the ResNet into ~18 ONNX
+    partitions (~1 s each to export); the tests after the first load the ones they share."""
+    torchnative.set_cache_dir(tmp_path_factory.mktemp("pinning-cache"))
+    yield
+    torchnative.set_cache_dir(None)
 
 
 def _resnet_classifier():

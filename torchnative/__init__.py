@@ -193,7 +193,8 @@ def delegates() -> dict[str, Availability]:
 def stats() -> dict:
     """Counters since the last reset: ops recorded, graphs built, program cache hits and misses,
     graph runs, sync points by reason, fallbacks, replays, tensors pinned (label → why),
-    weights quantized (or why not) and values folded (computed from weights once, at build)."""
+    weights quantized (or why not), values folded (computed from weights once, at build) and
+    composites fused (by name) into the partitions compiled in this process."""
     return events.STATS.as_dict()
 
 

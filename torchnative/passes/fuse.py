@@ -90,20 +90,16 @@ def _match(pattern, arg, env: dict) -> bool:
     return pattern == arg and not isinstance(arg, fx.Node)  # constants exactly: the composite computes with its own
 
 
-def _interior(root: fx.Node, leaves: set) -> list[fx.Node] | None:
-    """The nodes of a match below its root, down to its bound inputs; None when one of them is also
-    used outside the match (fusing would compute it twice, or lose a value another op reads)."""
-    inside, stack = [], [root]
+def _self_contained(root: fx.Node, leaves: set) -> bool:
+    """Is every node of the match below its root (down to its bound inputs) used inside it alone?
+    Else fusing would compute that value twice."""
+    inside, stack = {root}, list(root.all_input_nodes)
     while stack:
         n = stack.pop()
-        if n in inside or n in leaves:
-            continue
-        inside.append(n)
-        stack.extend(a for a in n.all_input_nodes)
-    members = set(inside)
-    if any(u not in members for n in inside[1:] for u in n.users):
-        return None
-    return inside
+        if n not in inside and n not in leaves:
+            inside.add(n)
+            stack.extend(n.all_input_nodes)
+    return all(u in inside for n in inside - {root} for u in n.users)
 
 
 def _last(dim: int, rank: int) -> bool:
@@ -218,7 +214,7 @@ def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
                 continue
             built = c.build(env)
             leaves = {v for v in env.values() if isinstance(v, fx.Node)}
-            if built is None or _interior(root, leaves) is None:
+            if built is None or not _self_contained(root, leaves):
                 continue
             op, args = built
             with g.inserting_before(root):
