@@ -183,3 +183,20 @@ def test_grad_enabled_call_keeps_attention_logsumexp_out_of_ort():
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert got.requires_grad
     assert any("logsumexp" in d["reason"] for d in prof.data["declined"])
+
+
+@pytest.mark.parametrize("mask", ["causal", "float", "none"])
+def test_grouped_query_attention_runs_on_ort(mask):
+    """8 query heads over 2 KV heads (Llama's layout): ORT runs it (torchlib repeats the KV
+    heads), equal to eager."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 6, 16, generator=g) for h in (8, 2, 2))
+    bias = torch.randn(6, 6, generator=g) if mask == "float" else None
+
+    def attend():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=mask == "causal",
+                                                                enable_gqa=True).relu()
+    with torch.no_grad(), torchnative.capture(["ort"], compile_after=1):
+        e = torchnative.explain(attend)
+    torch.testing.assert_close(e.output, attend(), rtol=1e-5, atol=1e-6)
+    assert [d for parts in e.partitions for d, _ in parts] == ["ort"], e.partitions

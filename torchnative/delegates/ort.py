@@ -25,11 +25,6 @@ _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_l
 _REDUCTIONS = frozenset({"amax", "amin", "logsumexp", "max", "min", "argmax", "argmin"})
 
 
-def _grouped_query(node: fx.Node) -> bool:
-    q, k = (a.meta.get("val") for a in node.args[:2])
-    return q is not None and k is not None and q.shape[-3] != k.shape[-3]
-
-
 @functools.cache
 def _registry():
     from torch.onnx._internal.exporter import _registration
@@ -57,8 +52,9 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
 
 
 @functools.cache
-def _composites() -> dict:
-    """ONNX translations of the composites (passes.fuse) ONNX Runtime runs as one kernel (opset 23)."""
+def _translations() -> dict:
+    """Our ONNX translations (opset 23): the composites (passes.fuse) ONNX Runtime runs as one
+    kernel, and CPU attention with grouped-query heads, which torchlib's does not take."""
     from onnxscript import opset23 as op
 
     def rms_norm(x, weight, eps: float):
@@ -78,7 +74,20 @@ def _composites() -> dict:
             return op.Expand(t, ints(batch, positions, size // 2))
         return op.RotaryEmbedding(x, half(cos), half(sin))
 
-    return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope}
+    def attention(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, attn_mask=None, scale=None):
+        if len(query.shape) != 4 or query.shape[1] == key.shape[1]:
+            return torchlib_nn.aten__scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask, scale)
+        # grouped-query attention: torchlib repeats the KV heads for the public op only. The
+        # logsumexp autograd would save is never read (supports() declines the node then): a
+        # placeholder of its shape
+        out = torchlib_nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                            enable_gqa=True)
+        return out, op.Expand(op.Constant(value_float=0.0), op.Constant(value_ints=list(query.shape[:3])))
+
+    from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+
+    return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope, **{sdpa: attention for sdpa in _SDPA}}
 
 
 def to_onnx(graph: CapturedGraph):
@@ -88,7 +97,7 @@ def to_onnx(graph: CapturedGraph):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23,
-                                 custom_translation_table=_composites()).model_proto
+                                 custom_translation_table=_translations()).model_proto
 
 
 class OnnxRuntime:
@@ -117,8 +126,6 @@ class OnnxRuntime:
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
-        if node.target in _SDPA and _grouped_query(node):
-            return Support(False, "torchlib's SDPA translation has no grouped-query attention (k/v heads != q heads)")
         if node.target in _SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
                                   "logsumexp that autograd saves (the call runs with grad enabled)")
