@@ -86,7 +86,8 @@ def _match(pattern, arg, env: dict) -> bool:
                 return True
         return False
     if isinstance(pattern, list):
-        return isinstance(arg, (list, tuple)) and len(pattern) == len(arg) and all(_match(p, a, env) for p, a in zip(pattern, arg))
+        return isinstance(arg, (list, tuple)) and len(pattern) == len(arg) and \
+            all(_match(p, a, env) for p, a in zip(pattern, arg))
     return pattern == arg and not isinstance(arg, fx.Node)  # constants exactly: the composite computes with its own
 
 
