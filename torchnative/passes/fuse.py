@@ -1,5 +1,6 @@
 """Fusion into named composites: a pattern of Core ATen ops that a delegate maps to one fused
-kernel (ONNX Runtime's RMSNormalization and RotaryEmbedding, Core ML's tanh GELU) becomes one node.
+kernel (ONNX Runtime's RMSNormalization and RotaryEmbedding; a tanh GELU for a delegate that has
+one) becomes one node.
 
 Fusion runs on a delegate's partition just before it is lowered, with the composites that delegate
 names (`Delegate.composites`): a partition that eager runs keeps the ops as recorded, so its
@@ -199,7 +200,7 @@ COMPOSITES: dict[str, Composite] = {
 
 def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
     """A copy of the graph with each match of the named composites' patterns replaced by one node
-    (the graph itself when nothing matches); `stats()["fused"]` counts them by name."""
+    (the graph itself when no composite is named); `stats()["fused"]` counts them by name."""
     chosen = [(n, COMPOSITES[n]) for n in sorted(names)]
     if not chosen:
         return graph
