@@ -99,7 +99,7 @@ def _translations() -> dict:
 def to_onnx(graph: CapturedGraph):
     """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
     constants are initializers named like their placeholders. Opset 23 where a composite needs
-    its kernels, else 18: BERT, ViT and GPT-2 ran 1-2 % slower on ONNX Runtime at 23."""
+    its kernels, else the exporter's default (20): plain graphs ran 1-2 % slower at 23."""
     nodes = graph.gm.graph.nodes
     composite = any(n.target in _COMPOSITE_OPS for n in nodes)
     # ours for attention only where torchlib's cannot: BERT ran 5 % slower through our wrapper of it
@@ -108,7 +108,7 @@ def to_onnx(graph: CapturedGraph):
     exported = graph.to_exported_program()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else 18,
+        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else None,
                                  custom_translation_table=table).model_proto
 
 
