@@ -89,8 +89,9 @@ def _translations() -> dict:
         # placeholder of its shape
         out = torchlib_nn.aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                             enable_gqa=True)
-        return out, op.Expand(op.Constant(value_float=0.0), op.Constant(value_ints=list(query.shape[:3])))
+        return out, op18.Expand(op18.Constant(value_float=0.0), op18.Constant(value_ints=list(query.shape[:3])))
 
+    from onnxscript import opset18 as op18  # torchlib's opset: up-converts to the graph's
     from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
 
     return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope, **{sdpa: attention for sdpa in _SDPA}}
