@@ -1,5 +1,6 @@
 """Passes on their own: constant folding (what weights alone determine is computed once, at
 build; never from pinned tensors; recomputed when a weight changes; autograd unaffected)."""
+import pytest
 import torch
 
 import torchnative
@@ -77,3 +78,65 @@ def test_gradients_flow_to_a_folded_weight():
     with torchnative.capture(["ort"], compile_after=1):
         model(x).square().sum().backward()
     torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5)
+
+
+class CacheWrite(torch.nn.Module):
+    """A KV-cache-like buffer written at given positions, then read whole (as attention does).
+    `peek`: the old cache is also read before the write; `add`: the write accumulates."""
+
+    def __init__(self, peek=False, add=False):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(1, 2, 6, 8))
+        self.peek, self.add = peek, add
+
+    def forward(self, x, pos):
+        k = self.proj(x).view(1, 1, -1, 8).expand(1, 2, -1, 8)
+        old = self.cache.sum() if self.peek else 0.0
+        if self.add:
+            self.cache.index_add_(2, pos, k)
+        else:
+            self.cache.index_copy_(2, pos, k)
+        return (self.cache * 2).sum(2) + old
+
+
+def _stream(model, steps=4):
+    """Outputs and cache after writing position i at step i (the program is built at step 2)."""
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, 8, generator=g) for _ in range(steps)]
+    outs = [model(x, torch.tensor([i])) for i, x in enumerate(xs)]
+    return outs, model.cache.clone()
+
+
+def _writes_in_place(graph) -> int:
+    return sum(n.target is aten.index_put_.default for n in graph.op_nodes())
+
+
+@pytest.mark.parametrize("variant", ["write", "peek", "add"])
+def test_cache_slice_write_becomes_one_in_place_update(variant):
+    kwargs = {"peek": variant == "peek", "add": variant == "add"}
+    torch.manual_seed(0)
+    eager = CacheWrite(**kwargs)
+    accelerated = CacheWrite(**kwargs)
+    accelerated.load_state_dict(eager.state_dict())
+    with torch.no_grad():
+        expected, expected_cache = _stream(eager)
+    torchnative.accelerate(accelerated, delegates=["ort"], replay=False)
+    try:
+        with torch.no_grad(), record(events.ProgramBuilt) as built:
+            got, cache = _stream(accelerated)
+    finally:
+        torchnative.deaccelerate(accelerated)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-6)
+    program = built[-1].program
+    writes = _writes_in_place(program.graph)
+    if variant == "write":
+        # the cache is written in place by eager; the ONNX partition hands out the written rows only
+        assert writes == 1
+        assert [d for d, _ in program.partitions] == ["ort", "eager"]
+        cache_shape = tuple(accelerated.cache.shape)
+        assert all(tuple(n.meta["val"].shape) != cache_shape for n in program.steps[0].outputs)
+    else:  # the old cache is read as well, or the write adds: a whole new value, copied back
+        assert writes == 0

@@ -268,6 +268,13 @@ def test_static_cache_decode_reuses_one_compiled_graph_and_cache_buffers_are_sta
     assert all(r.graph.output_roles.count("state_update") == r.graph.input_roles.count("state") for r in decode)
     assert len(decode) >= steps and len(keys) == 1, "one decode graph, reused by every step"
     assert all(r.partitions and any(d == "ort" for d, _ in r.partitions) for r in decode[2:])
+    # each cache is written in place where the step writes it (passes.state), not copied back whole
+    program = decode[-1].program
+    assert sum(n.target is torch.ops.aten.index_put_.default for n in program.graph.op_nodes()) == 4
+    cache_shapes = {tuple(n.meta["val"].shape) for n in program.graph.gm.graph.nodes
+                    if n.op == "placeholder" and n.meta.get("role") == "state" and n.meta["val"].dim() == 4}
+    assert cache_shapes and all(tuple(o.meta["val"].shape) not in cache_shapes
+                                for s in program.steps if s.delegate == "ort" for o in s.outputs)
 
 
 def test_explain_and_stats_name_pinned_and_state_tensors():

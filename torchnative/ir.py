@@ -34,6 +34,9 @@ class CapturedGraph:
     # `torchnative.calibrate()`), for delegates that calibrate (quantized activations); set only
     # when such a delegate compiles it
     samples: list[list[torch.Tensor]] | None = field(default=None, repr=False)
+    # for each `state_update` output, in order: the index of the placeholder whose tensor it is
+    # written into after the run
+    writes: tuple[int, ...] = ()
     _key: str | None = field(default=None, repr=False)
 
     def copy(self) -> "CapturedGraph":
@@ -43,7 +46,7 @@ class CapturedGraph:
         g = fx.Graph()
         g.output(g.graph_copy(self.gm.graph, {}))
         return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), list(self.input_roles), list(self.output_roles),
-                             self.constants, self.samples)
+                             self.constants, self.samples, self.writes)
 
     def op_nodes(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
@@ -88,6 +91,6 @@ class CapturedGraph:
                 meta = (tuple(val.shape), tuple(val.stride()), val.dtype, n.meta.get(HALVES, False)) \
                     if isinstance(val, torch.Tensor) else None
                 h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta)).encode())
-            h.update(repr((self.input_roles, self.output_roles)).encode())
+            h.update(repr((self.input_roles, self.output_roles, self.writes)).encode())
             self._key = h.hexdigest()
         return self._key

@@ -354,6 +354,7 @@ class Recorder:
         n_ops = self.node.n_ops
         events.STATS.ops_recorded += n_ops
         self._reset()
+        versions = [r._version for r in roots]  # before the run: a program may write state in place
         try:
             values = self.execute(node, Signature(outputs, state), inputs, n_ops, roots)
         except BaseException:
@@ -368,10 +369,10 @@ class Recorder:
             # each in-place op already bumped its tensor's version above the door, as in eager;
             # the write-back is not one of the user's ops (a kernel's own writes, like BatchNorm's
             # running stats, bump nothing in eager), and autograd checks saved tensors' versions
-            versions = [r._version for r in roots]
             with torch.no_grad():
                 for root, v in zip(roots, values[len(outputs):]):
-                    root.copy_(v)
+                    if root is not v:  # else the program wrote it in place (passes.state)
+                        root.copy_(v)
             torch._C._autograd._unsafe_set_version_counter(roots, versions)
         for t in pviews:
             base = t._vbase

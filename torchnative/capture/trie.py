@@ -102,11 +102,13 @@ def build_graph(node: Node, sig: Signature) -> CapturedGraph:
     env: dict = {}
     roles: list[Role] = []
     state_inputs = {s for s, _ in sig.state}
+    position: dict[int, int] = {}  # input slot -> placeholder index
     for n in node.path():
         if n.op == INPUT:
             slot = n.out_slots[0]
             p = g.placeholder(f"in_{slot}")
             p.meta["val"] = meta_tensor(n.out_metas[0])
+            position[slot] = len(roles)
             roles.append("state" if slot in state_inputs else n.role)
             env[slot] = p
             continue
@@ -130,4 +132,4 @@ def build_graph(node: Node, sig: Signature) -> CapturedGraph:
     g.eliminate_dead_code()
     gm = fx.GraphModule(torch.nn.Module(), g)
     out_roles = ["output"] * len(sig.outputs) + ["state_update"] * len(sig.state)
-    return CapturedGraph(gm, roles, out_roles)
+    return CapturedGraph(gm, roles, out_roles, writes=tuple(position[s] for s, _ in sig.state))

@@ -45,7 +45,8 @@ def _dense(graph: CapturedGraph) -> CapturedGraph:
         env[n] = g.node_copy(n, env.__getitem__)
         if n.target is torch.ops.aten.view.default:
             env[n].target = torch.ops.aten.reshape.default
-    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles, graph.constants)
+    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles, graph.constants,
+                        writes=graph.writes)
 
 
 def _ops(names: tuple[str, ...]) -> list:

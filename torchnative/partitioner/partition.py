@@ -64,6 +64,10 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
         if n.target is operator.getitem:  # goes with the node whose output it unpacks
             label[n] = label[n.args[0]]
             continue
+        if _writes_in_place(n):
+            label[n] = EAGER
+            declined[n.name] = [(d.name, _IN_PLACE) for d in delegates if d.name != EAGER]
+            continue
         for d in delegates:
             verdict = d.supports(n)
             if verdict:
@@ -73,6 +77,14 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
         else:
             label[n] = EAGER
     return label, declined
+
+
+_IN_PLACE = "a state update written in place into the caller's tensor (a delegate gets copies of its inputs)"
+
+
+def _writes_in_place(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _grow(nodes: list[fx.Node], label: dict) -> list[list[fx.Node]]:

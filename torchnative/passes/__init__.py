@@ -10,15 +10,16 @@ from torchnative.passes.fold import fold_constants
 from torchnative.passes.fuse import mark_halves
 from torchnative.passes.pin import apply_pins
 from torchnative.passes.quantize import quantize_weights
+from torchnative.passes.state import slice_updates
 
 
 def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | None = None) -> tuple[CapturedGraph, Derived]:
-    """Pinned roles, CSE/DCE, constant folding, weight quantization; values marked for fusion
-    (which runs per partition, before a delegate compiles it). The Derived tensors are appended
-    to the program's inputs on every call."""
+    """Pinned roles, CSE/DCE, constant folding, weight quantization, a state's slice writes in
+    place (passes.state); values marked for fusion (which runs per partition, before a delegate
+    compiles it). The Derived tensors are appended to the program's inputs on every call."""
     derived = Derived()
     graph = mark_halves(cse(hoist_placeholders(apply_pins(graph.copy(), inputs))))
     graph = fold_constants(graph, inputs, derived)
     if quantize is not None:
         graph = quantize_weights(graph, inputs, quantize, derived)
-    return graph, derived
+    return slice_updates(graph), derived

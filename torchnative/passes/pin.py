@@ -81,7 +81,7 @@ def apply_pins(graph: CapturedGraph, inputs: list[torch.Tensor]) -> CapturedGrap
             p.meta["updatable"] = (label(x), STATE_REASON)
     if roles == graph.input_roles:
         return graph
-    return CapturedGraph(graph.gm, roles, graph.output_roles, graph.constants)
+    return CapturedGraph(graph.gm, roles, graph.output_roles, graph.constants, writes=graph.writes)
 
 
 def updatable(graph: CapturedGraph) -> list[dict]:

@@ -163,7 +163,9 @@ class Trace:
             values = produced[-1]
             with torch.no_grad():
                 for src, v in zip(last.writes, values[len(values) - len(last.writes):]):
-                    _resolve(src, leaves, produced).copy_(v)
+                    dst = _resolve(src, leaves, produced)
+                    if dst is not v:  # else the program wrote it in place (passes.state)
+                        dst.copy_(v)
         out = [_resolve(o, leaves, produced) for o in self.outputs]
         return pytree.tree_unflatten(out, self.spec)
 

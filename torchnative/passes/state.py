@@ -1,0 +1,49 @@
+"""State updates written where they are: a KV cache's slice write becomes one in-place primitive.
+
+The recorder functionalizes a write into a real tensor (a StaticCache's `index_copy_`): the graph
+computes the tensor's whole new value, which is an output copied back after the run. For a
+cache written at a few positions that is two full copies per step (the delegate's output, then
+the copy back): 24 of them, 12 MB, in a GPT-2 small decode step. Here such an output becomes
+the state update primitive `aten.index_put_(state, indices, values)` on the caller's tensor;
+the graph outputs the tensor itself, and the write-back finds nothing to copy. The partitioner
+leaves the primitive to eager (a delegate receives copies of its inputs, not the caller's
+memory), so a delegate's partition hands out only the written values.
+"""
+from __future__ import annotations
+
+import torch
+
+from torchnative.ir import CapturedGraph
+
+SLICE_UPDATE = torch.ops.aten.index_put_.default
+_INDEX_PUT = torch.ops.aten.index_put.default
+
+
+def slice_updates(graph: CapturedGraph) -> CapturedGraph:
+    """Rewrite each state output `index_put(s, indices, values)` of its own state input `s` into
+    `index_put_(s, indices, values)` when nothing else reads `s`: the order of the write and that
+    functional index_put (whose value the graph may still use) then does not matter. Outputs
+    that were that new value are `s`."""
+    g = graph.gm.graph
+    out = next(n for n in reversed(g.nodes) if n.op == "output")
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    values = list(out.args[0])
+    first = len(values) - len(graph.writes)
+    changed = False
+    for k, i in enumerate(graph.writes):
+        new, state = values[first + k], placeholders[i]
+        if not (new.target is _INDEX_PUT and new.args[0] is state and set(state.users) == {new}
+                and not (new.args[3] if len(new.args) > 3 else new.kwargs.get("accumulate", False))):
+            continue
+        with g.inserting_before(out):
+            write = g.call_function(SLICE_UPDATE, (state, *new.args[1:3]))
+        write.meta = {**new.meta, "val": state.meta["val"]}
+        # a value Python still holds (the tensor an in-place op returned) is, in eager, the
+        # written tensor itself
+        values = [state if v is new else v for v in values[:first + k]] + [state] + values[first + k + 1:]
+        changed = True
+    if changed:
+        out.args = (values,)
+        g.eliminate_dead_code()  # fx keeps the in-place op: its schema is mutable
+        graph.gm.recompile()
+    return graph
