@@ -29,24 +29,17 @@ warnings.filterwarnings("ignore")
 
 
 def _workload(name: str):
-    """(model factory, inputs) for one workload, base-size configs, random weights."""
-    if name == "bert":
-        m = models.build("bert", "base")
-        return lambda: models.build("bert", "base"), models.example_inputs("bert", m, seq=128)
-    if name == "vit":
-        m = models.build("vit", "base")
-        return lambda: models.build("vit", "base"), models.example_inputs("vit", m)
-    if name == "resnet":
-        m = models.build("resnet", "base")
-        return lambda: models.build("resnet", "base"), models.example_inputs("resnet", m)
-    if name == "llama-prefill":  # not in the default set: issue 3's workloads are the five above and below
-        m = models.build("llama", "base")
-        ids = models.example_inputs("llama", m, seq=128)["input_ids"]
-        return lambda: models.build("llama", "base"), {"input_ids": ids, "use_cache": False}
-    if name == "gpt2-prefill":
-        m = models.build("gpt2", "base")
-        ids = models.example_inputs("gpt2", m, seq=128)["input_ids"]
-        return lambda: models.build("gpt2", "base"), {"input_ids": ids, "use_cache": False}
+    """(model factory, inputs or a step function, ONNX Runtime standalone builder) for one
+    workload, base-size configs, random weights."""
+    if name in ("bert", "vit", "resnet"):
+        m = models.build(name, "base")
+        inputs = models.example_inputs(name, m, **({"seq": 128} if name == "bert" else {}))
+        return lambda: models.build(name, "base"), inputs, lambda model: _ort_standalone(model, inputs)
+    if name in ("llama-prefill", "gpt2-prefill"):  # llama: not in the default set (issue 3's are the five)
+        arch = name.split("-")[0]
+        m = models.build(arch, "base")
+        inputs = {"input_ids": models.example_inputs(arch, m, seq=128)["input_ids"], "use_cache": False}
+        return lambda: models.build(arch, "base"), inputs, lambda model: _ort_standalone(model, inputs)
     if name == "gpt2-decode":
         from transformers import StaticCache
         m = models.build("gpt2", "base")
@@ -60,20 +53,54 @@ def _workload(name: str):
             for layer in cache.layers:
                 layer.cumulative_length.fill_(128)
             return model(input_ids=ids[:, -1:], past_key_values=cache, cache_position=torch.tensor([128]))
-        return lambda: models.build("gpt2", "base"), step
+        return lambda: models.build("gpt2", "base"), step, lambda model: _ort_decode_standalone(model, ids)
     raise ValueError(name)
 
 
-def _ort_standalone(model, inputs):
+def _session(model_proto):
     import onnxruntime as ort
 
-    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)  # flags become constants
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     options.log_severity_level = 3
-    session = ort.InferenceSession(program.model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model_proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _ort_standalone(model, inputs):
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    program = torch.onnx.export(model, (), kwargs=inputs, dynamo=True, verbose=False)  # flags become constants
+    session = _session(program.model_proto)
     feed = {i.name: tensors[i.name].numpy() for i in session.get_inputs()}
+    return lambda: session.run(None, feed)
+
+
+class _DecodeStep(torch.nn.Module):
+    """One decode step with the past as flat tensors (k0, v0, k1, v1, ...) and the new past as
+    outputs, as an ONNX Runtime decoder runs it; the DynamicCache is built inside forward, so the
+    exported graph's inputs are plain tensors."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, *past):
+        from transformers import DynamicCache
+        cache = DynamicCache(ddp_cache_data=list(zip(past[0::2], past[1::2])))
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
+        return out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
+
+
+def _ort_decode_standalone(model, ids):
+    """The decode step exported whole: position 128 over the 128-token past of `ids`."""
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        past = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        args = (ids[:, -1:], torch.tensor([[ids.shape[1]]]), *past)
+        names = ["input_ids", "position_ids"] + [f"past_{kv}_{i}" for i in range(len(past) // 2) for kv in "kv"]
+        program = torch.onnx.export(_DecodeStep(model), args, input_names=names, dynamo=True, verbose=False)
+    session = _session(program.model_proto)
+    feed = dict(zip(names, (a.numpy() for a in args)))
+    feed = {i.name: feed[i.name] for i in session.get_inputs()}
     return lambda: session.run(None, feed)
 
 
@@ -98,7 +125,7 @@ def _first_call(row: dict, engines: dict, name: str, make, calls: int = 1) -> No
 
 
 def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dict:
-    factory, inputs = _workload(name)
+    factory, inputs, standalone = _workload(name)
     call = inputs if callable(inputs) else (lambda m: m(**inputs))
     row: dict = {"workload": name}
     engines: dict = {}
@@ -112,8 +139,7 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
             chosen = None if d == "default" else [d]
             _first_call(row, engines, label,  # compile_after=2: the second call compiles
                         lambda: (lambda m: lambda: call(m))(torchnative.accelerate(factory(), delegates=chosen)), 2)
-        if not callable(inputs):  # a cache object does not export as a plain input
-            _first_call(row, engines, "ort_standalone", lambda: _ort_standalone(factory(), inputs))
+        _first_call(row, engines, "ort_standalone", lambda: standalone(factory()))
         med = interleave(engines, runs)
     engines.clear()
     clear_caches()  # compiled programs hold their own copies of the weights: free them per workload
