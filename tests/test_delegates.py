@@ -185,13 +185,17 @@ def test_grad_enabled_call_keeps_attention_logsumexp_out_of_ort():
     assert any("logsumexp" in d["reason"] for d in prof.data["declined"])
 
 
-@pytest.mark.parametrize("mask", ["causal", "float", "none"])
-def test_grouped_query_attention_runs_on_ort(mask):
-    """8 query heads over 2 KV heads (Llama's layout): ORT runs it (torchlib repeats the KV
-    heads), equal to eager."""
+@pytest.mark.parametrize("mask", ["causal", "float", "bool", "none"])
+@pytest.mark.parametrize("layout", ["grouped", "cache"])
+def test_attention_ort_translates_itself_runs_like_eager(layout, mask):
+    """The two attentions ORT runs through our translation: 8 query heads over 2 KV heads
+    (Llama's layout; torchlib's takes none) and 2 queries over 6 cached keys (a decode step;
+    torchlib's passes over the cache three times). One ORT partition, equal to eager."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, h, 6, 16, generator=g) for h in (8, 2, 2))
-    bias = torch.randn(6, 6, generator=g) if mask == "float" else None
+    kv_heads, queries = (2, 6) if layout == "grouped" else (8, 2)
+    q = torch.randn(2, 8, queries, 16, generator=g)
+    k, v = (torch.randn(2, kv_heads, 6, 16, generator=g) for _ in range(2))
+    bias = {"float": torch.randn(queries, 6, generator=g), "bool": torch.rand(queries, 6, generator=g) > 0.3}.get(mask)
 
     def attend():
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=mask == "causal",

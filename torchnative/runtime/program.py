@@ -151,6 +151,7 @@ class Program:
         out_node = next(n for n in reversed(graph.gm.graph.nodes) if n.op == "output")
         self.run_fn: Callable = eager.load(eager.compile(graph))
         self.steps = [Step(EAGER, graph, placeholders, placeholders, list(out_node.args[0]), self.run_fn)]
+        self._placeholders, self._outputs = placeholders, list(out_node.args[0])
         self.declined: tuple = ()  # (op, delegate, reason) of every node a delegate declined
         baked: set[int] = set()
         if any(d.name != EAGER for d in delegates) and graph.op_nodes():
@@ -169,6 +170,7 @@ class Program:
                          and graph.input_roles[values["index"][n]] == "param"}
         # params a delegate baked in or a pass computed from: (input index, weakref, version)
         self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked | derived.sources)]
+        self._count()
         events.emit(events.ProgramBuilt(self, time.perf_counter() - started))
 
     def stale(self) -> bool:
@@ -186,9 +188,9 @@ class Program:
         """Baked params that are the same tensors as when baked, written since (updated at test time)."""
         return [inputs[i] for i, ref, version in self.baked if inputs[i] is ref() and inputs[i]._version != version]
 
-    @property
-    def partitions(self) -> tuple:
-        return tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
+    def _count(self) -> None:
+        """(delegate, ops) per step, kept: every run's GraphRun event carries it."""
+        self.partitions = tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
 
     def _step(self, part: Partition, delegates: dict, values: dict, position: tuple[int, int], keep: bool) -> Step:
         sub, reads, outputs = _subgraph(self.graph, part, values)
@@ -213,7 +215,7 @@ class Program:
         return step
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
-        env = dict(zip((n for n in self.graph.gm.graph.nodes if n.op == "placeholder"), inputs))
+        env = dict(zip(self._placeholders, inputs))
         for i, step in enumerate(self.steps):
             args = [env[n] for n in step.inputs]
             started = time.perf_counter() if timed else 0.0
@@ -224,14 +226,14 @@ class Program:
                     raise
                 _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, len(step.graph.op_nodes()))
                 step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
+                self._count()
                 outs = step.run([env[n] for n in step.inputs])
             if step.delegate != EAGER:
                 outs = [_eager_layout(v, n) for v, n in zip(outs, step.outputs)]
             if timed:
                 events.emit(events.PartitionRun(step, self.graph.key, i, started, time.perf_counter() - started))
             env.update(zip(step.outputs, outs))
-        out_node = next(n for n in reversed(self.graph.gm.graph.nodes) if n.op == "output")
-        return [env[n] for n in out_node.args[0]]
+        return [env[n] for n in self._outputs]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.extra:
