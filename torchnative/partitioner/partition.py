@@ -79,7 +79,7 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
     return label, declined
 
 
-_IN_PLACE = "a state update written in place into the caller's tensor (a delegate gets copies of its inputs)"
+_IN_PLACE = "a state update written in place into the caller's tensor (a delegate's results are new tensors: it cannot write the caller's)"
 
 
 def _writes_in_place(n: fx.Node) -> bool:
