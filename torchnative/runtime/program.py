@@ -89,9 +89,12 @@ def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
     """A delegate's output with the strides eager would have given it: later eager ops (view
     after permute of SDPA's output) and the user can depend on them."""
     expected = node.meta["val"]
-    if value.stride() == expected.stride() or value.numel() <= 1 or 0 in expected.stride():
+    stride, want = value.stride(), expected.stride()
+    if stride == want or value.numel() <= 1 or 0 in want:
         return value  # an expanded layout (stride 0) cannot be written into: dense values stay dense
-    return torch.empty_strided(expected.shape, expected.stride(), dtype=value.dtype).copy_(value)
+    if all(a == b for a, b, n in zip(stride, want, expected.shape) if n != 1):
+        return value  # the strides differ only on size-1 dims, which address nothing (a decode step's k/v rows)
+    return torch.empty_strided(expected.shape, want, dtype=value.dtype).copy_(value)
 
 
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
