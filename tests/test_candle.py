@@ -1,5 +1,7 @@
 """The candle delegate beyond the shared delegate tests: its quantized variants (inexact by design,
 checked against float32 with measured bounds), its integer arithmetic, candle panics, expanded outputs."""
+import copy
+
 import pytest
 import torch
 from torch.nn.functional import linear
@@ -7,6 +9,7 @@ from torch.nn.functional import linear
 import torchnative
 from torchnative.delegates import REGISTRY
 from torchnative.delegates import candle as candle_delegate
+from tests.conftest import record
 
 pytestmark = pytest.mark.skipif(REGISTRY["candle"].available().status != "executes",
                                 reason=REGISTRY["candle"].available().reason)
@@ -68,6 +71,44 @@ def test_only_param_matmul_weights_are_quantized(delegate, quantized, bound):
     assert set(artifact.meta["fp32_weights"]) == set(names[2:]) - set(quantized)
     (out,), (ref,) = d.load(artifact)(args[:2]), f(*args)
     assert ((out - ref).norm() / ref.norm()).item() < bound
+
+
+@pytest.mark.parametrize("scheme,bound", [("q8_0", 0.02), ("q4k", 0.03)])
+def test_the_quantize_pass_kquants_run_on_candle_and_as_dequantized_weights_elsewhere(scheme, bound):
+    """`quantize="q4k"`: the unpinned matmul weights become their k-quants' dequantized values in
+    the graph (ONNX Runtime and eager compute exactly eager-with-those-weights) and candle runs the
+    same k-quant blocks with its kernels, which also round the activations to 8 bits: measured
+    ‖y - y_deq‖/‖y_deq‖ 0.67-0.75 % (q8_0), 0.90-1.03 % (q4k) on seeds 0-2; the bounds are about three times that."""
+    from torchnative import events
+    from torchnative.passes.quantize import dequantized
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 64))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for i in (0, 4):
+            reference[i].weight.copy_(dequantized(model[i].weight, scheme))
+    x = torch.randn(4, 256)
+    with torch.no_grad():
+        want = reference(x)
+    assert 1e-4 < ((want - model(x)).norm() / want.norm()).item() < 0.2  # the weights are quantized
+    for delegate in ("ort", "candle"):
+        accelerated = copy.deepcopy(model)
+        torchnative.pin(accelerated[2])
+        torchnative.accelerate(accelerated, delegates=[delegate], quantize=scheme)
+        with record(events.ProgramBuilt) as built, torch.no_grad():
+            out = [accelerated(x) for _ in range(3)][-1]
+        program = built[-1].program
+        kquants = [n for n in program.graph.gm.graph.nodes if "kquant" in n.meta]
+        assert [tuple(n.meta["val"].shape) for n in kquants] == [(256, 512), (256, 64)], "model[2] is pinned"
+        assert [s.delegate for s in program.steps] == [delegate]
+        if delegate == "ort":
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+        else:
+            assert 1e-4 < ((out - want).norm() / want.norm()).item() < bound
+            artifact = REGISTRY["candle"].compile(program.steps[0].graph)
+            assert sorted(artifact.meta["quantized"].values()) == [scheme, scheme]
 
 
 def test_a_candle_panic_is_an_exception_naming_the_op():

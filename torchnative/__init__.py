@@ -23,7 +23,7 @@ from torchnative.inspector.profile import profile as _profile
 from torchnative.passes.pin import name_tensors
 from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
-from torchnative.passes.quantize import SCHEMES
+from torchnative.passes.quantize import KQUANTS, SCHEMES
 from torchnative.runtime import calibration as _calibration
 from torchnative.runtime import disk_cache
 from torchnative.runtime.program import CapturedOpError
@@ -56,6 +56,8 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
             shape at every decode step) never repays it; 1 compiles every graph at once.
         quantize: `"int8"` (per output channel) or `"int4"` (groups of 32) for the float weights
             (parameters and buffers that are not pinned) that feed matmuls and convolutions;
+            `"q8_0"` or `"q4k"` (GGUF k-quants, made by candle; needs candle-nn) for those that are
+            a matmul's 2-D weight: the `candle` delegate runs them with its k-quant kernels;
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses.
     """
     _check_quantize(quantize)
@@ -64,8 +66,9 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
 
 
 def _check_quantize(scheme: str | None) -> None:
-    if scheme is not None and scheme not in SCHEMES:
-        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES)} or None")
+    if scheme is not None and scheme not in SCHEMES and scheme not in KQUANTS:
+        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of "
+                         f"{sorted(SCHEMES | KQUANTS)} or None")
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,

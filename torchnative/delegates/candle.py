@@ -561,6 +561,7 @@ _MISSING = {"convolution": "candle-nn 0.4.2's Python bindings have no convolutio
 # ---- compile: fold what params alone determine, quantize matmul weights, pack the weights ---------
 
 _BLOCK = {"q8_0": 32, "q4k": 256}  # GGUF block sizes along a weight's input dimension
+_GGUF_NAMES = {"Q8_0": "q8_0", "Q4K": "q4k"}  # candle's names of the types, as quantize() takes them
 
 
 def _fold(graph: CapturedGraph) -> tuple[dict[fx.Node, Any], dict[fx.Node, str]]:
@@ -650,24 +651,28 @@ class Candle:
         values, origin = _fold(graph)
         kept = [n for n in values if any(u not in values for u in n.users)]
         fp32, quantize = [], {}
+        # the quantize pass's k-quants (passes.quantize): made already, of the values eager uses
+        blocks = {n.name: n.meta["kquant"] for n in kept if "kquant" in n.meta}
         for n in kept:
-            w = _weight(n, values[n], self.quant if n in origin else None)
-            if w is None:
-                fp32.append((n.name, values[n].contiguous()))
-            else:
+            w = None if n.name in blocks else _weight(n, values[n], self.quant if n in origin else None)
+            if w is not None:
                 quantize[n.name] = w
+            elif n.name not in blocks:
+                fp32.append((n.name, values[n].contiguous()))
         gguf = b""
-        if quantize:
+        if quantize or blocks:
             f = _memfile()
-            f.write(_safetensors(list(quantize.items())))
-            loaded = candle.utils.load_safetensors(f.path)
-            blocks = {name: loaded[name].quantize(self.quant) for name in quantize}
+            if quantize:
+                f.write(_safetensors(list(quantize.items())))
+                loaded = candle.utils.load_safetensors(f.path)
+                blocks.update({name: loaded[name].quantize(self.quant) for name in quantize})
             candle.utils.save_gguf(f.path, blocks, {})
             gguf = f.read()
         packed = b"".join(_safetensors(fp32))
         meta = {"graph": graph, "folded": {n.name for n in values}, "safetensors_bytes": len(packed),
-                "quantized": {origin[n]: self.quant for n in kept if n.name in quantize},
-                "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in quantize})}
+                "quantized": {origin[n]: _GGUF_NAMES.get(blocks[n.name].ggml_dtype, blocks[n.name].ggml_dtype)
+                              for n in kept if n.name in blocks},
+                "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in blocks})}
         return Artifact(self.name, packed + gguf, meta)
 
     def _load(self, artifact: Artifact) -> Runner:

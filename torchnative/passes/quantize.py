@@ -2,11 +2,19 @@
 int8 values plus float scales, dequantized in the graph — int8 per output channel, or int4 in
 groups of 32 along the input dimension (held in int8). Only `param` inputs; `pinned` and `state` tensors are never quantized.
 
+GGUF k-quants (q8_0, q4k), whose kernels are candle's: a matmul's 2-D weight operand, quantized
+in blocks along its input dimension by candle, becomes a constant holding the dequantized values
+(what eager and every other delegate compute with) whose placeholder carries the candle QTensor
+(`meta["kquant"]`), which the candle delegate runs with its k-quant matmul.
+
 `dequantized(w, scheme)` is the float weight the graph computes, for references and accuracy
-checks. The candle k-quants (q8_0, q4k) are the `candle-q8_0`/`candle-q4k` delegates' own."""
+checks (for k-quants, of an (out, in) weight as nn.Linear holds it)."""
 from __future__ import annotations
 
+import os
+import tempfile
 import weakref
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -17,10 +25,12 @@ from torchnative.passes.derived import Derived, add_constant, placeholders
 
 aten = torch.ops.aten
 SCHEMES = {"int8": (127, None), "int4": (7, 32)}  # (largest level, group size or per channel)
+KQUANTS = {"q8_0": 32, "q4k": 256}  # GGUF block size along the input dimension
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default}
+_MAT2 = {aten.mm.default: 1, aten.addmm.default: 2}  # where the weight operand is, (in, out)
 _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.unsqueeze.default, aten.reshape.default}
-_cache: dict = {}  # (id, version, scheme) -> (weakref to the weight, q, scale)
+_cache: dict = {}  # (id, version, scheme[, operand layout]) -> (weakref to the weight, quantized values)
 
 
 def _feeds_matmul(n: fx.Node) -> bool:
@@ -42,14 +52,38 @@ def quantize_tensor(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.T
 
 def dequantized(w: torch.Tensor, scheme: str) -> torch.Tensor:
     """The weight as the quantized graph computes it."""
+    if scheme in KQUANTS:
+        return kquantized(w, scheme)[1].to(w.dtype)
     q, scale = quantize_tensor(w, scheme)
     return (q.to(torch.float32) * scale).reshape(w.shape).to(w.dtype)
+
+
+def kquantized(w: torch.Tensor, scheme: str) -> tuple[Any, torch.Tensor]:
+    """(candle QTensor, its dequantized values) of an (out, in) float matrix, blocks along `in`.
+    candle's bindings move tensors through files (their element-wise conversions take seconds)."""
+    try:
+        import candle
+    except ImportError as e:
+        raise RuntimeError(f"quantize={scheme!r}: GGUF k-quants are made and run by candle, which is not "
+                           f"installed (pip install candle-nn==0.4.2)") from e
+    import safetensors.torch
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "w.safetensors")
+        safetensors.torch.save_file({"w": w.detach().float().contiguous()}, path)
+        q = candle.utils.load_safetensors(path)["w"].quantize(scheme)
+        candle.utils.save_safetensors(path, {"w": q.dequantize()})
+        return q, safetensors.torch.load_file(path)["w"]
 
 
 def why_not(w: torch.Tensor, scheme: str) -> str:
     """Why this weight stays as it is ('' when it is quantized)."""
     if not w.dtype.is_floating_point:
         return f"dtype {w.dtype} is not floating point"
+    if scheme in KQUANTS:
+        if w.dim() != 2 or w.shape[0] % KQUANTS[scheme]:
+            return f"a matmul weight of shape {list(w.shape)}: {scheme} needs 2-D, input dimension a multiple of {KQUANTS[scheme]}"
+        return ""
     if not w.is_contiguous():
         return "not contiguous"
     _, group = SCHEMES[scheme]
@@ -66,9 +100,64 @@ def _cached(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     return hit[1], hit[2]
 
 
+def _matmul_weights(graph: CapturedGraph) -> list[tuple[fx.Node, list[fx.Node], int]]:
+    """(mm/addmm node, views from a `param` placeholder to its weight operand, placeholder index)."""
+    index = {p: i for i, p in enumerate(placeholders(graph))}
+    found = []
+    for n in graph.gm.graph.nodes:
+        if n.target not in _MAT2:
+            continue
+        chain, v = [], n.args[_MAT2[n.target]]
+        while isinstance(v, fx.Node) and v.target in _VIEWS:
+            chain.append(v)
+            v = v.args[0]
+        if v in index and graph.input_roles[index[v]] == "param":
+            found.append((n, chain[::-1], index[v]))
+    return found
+
+
+def _kquantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: str, derived: Derived) -> CapturedGraph:
+    """Each matmul's weight operand (the param through its views, as the matmul reads it: (in, out))
+    becomes a constant of its k-quant's dequantized values, the QTensor in its meta."""
+    g = graph.gm.graph
+    for mm, chain, i in _matmul_weights(graph):
+        value = inputs[i].detach()
+        for v in chain:
+            value = v.target(value, *v.args[1:], **v.kwargs)
+        reason = why_not(value, scheme)
+        events.STATS.quantized[f"{scheme}: {reason or 'quantized'}"] += 1
+        if reason:
+            continue
+        q, values = _kcached(inputs[i], value, scheme)
+        operand = mm.args[_MAT2[mm.target]]
+        c = add_constant(graph, operand, f"{operand.name}_{scheme}")
+        c.meta["val"], c.meta["kquant"] = values.to("meta"), q
+        derived.tensors.append(values)
+        derived.sources.add(i)
+        mm.replace_input_with(operand, c)
+        for v in reversed(chain):  # the views the weight reached the matmul through, if nothing else reads them
+            if not v.users:
+                g.erase_node(v)
+    graph.gm.recompile()
+    return graph
+
+
+def _kcached(w: torch.Tensor, operand: torch.Tensor, scheme: str) -> tuple[Any, torch.Tensor]:
+    """The k-quant of a weight operand (in, out), its values back in that layout, kept per weight
+    version like the int schemes' (a weight read by several programs is quantized once)."""
+    key = (id(w), w._version, scheme, tuple(operand.shape), operand.stride())
+    hit = _cache.get(key)
+    if hit is None or hit[0]() is not w:
+        q, values = kquantized(operand.t(), scheme)
+        hit = _cache[key] = (weakref.ref(w), q, values.t())
+    return hit[1], hit[2]
+
+
 def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: str, derived: Derived) -> CapturedGraph:
+    if scheme in KQUANTS:
+        return _kquantize_weights(graph, inputs, scheme, derived)
     if scheme not in SCHEMES:
-        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES)}")
+        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES | KQUANTS)}")
     g = graph.gm.graph
     for i, (p, role, w) in enumerate(zip(placeholders(graph), list(graph.input_roles), inputs)):
         if role != "param" or w.dim() < 2 or not _feeds_matmul(p):
