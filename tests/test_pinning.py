@@ -79,16 +79,20 @@ def _with_dequantized_weights(model, scheme):
     return model
 
 
-def test_tta_stage1_tent_adapts_bn_affine_parameters_like_eager():
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_tta_stage1_tent_adapts_bn_affine_parameters_like_eager(quantize):
+    """With `quantize`, the graphs autograd records stay float (backward runs on the float weights
+    autograd saved above the door): the adaptation equals eager's. Evaluation under no_grad
+    is quantized: it equals eager with the conv/linear weights dequantized, the adapted BN
+    parameters float32 inputs of the program."""
     eager = _resnet_classifier()
     accel = copy.deepcopy(eager)
     e_params, e_opt = _tent_setup(eager)
     a_params, a_opt = _tent_setup(accel)
     torchnative.pin(a_params[0])  # one pinned by hand; the others are pinned when they change
-    built = []
-    stop = events.listen(lambda e: built.append(e.program) if isinstance(e, events.ProgramBuilt) else None)
-    try:
-        torchnative.accelerate(accel, delegates=DELEGATES)
+    torchnative.reset_stats()
+    with record(events.ProgramBuilt) as built:
+        torchnative.accelerate(accel, delegates=DELEGATES, quantize=quantize)
         for x in _batches(10):
             e_out = eager(pixel_values=x).logits
             a_out = accel(pixel_values=x).logits
@@ -99,13 +103,26 @@ def test_tta_stage1_tent_adapts_bn_affine_parameters_like_eager():
                 opt.zero_grad()
             for a, e in zip(a_params, e_params):
                 torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
-    finally:
-        stop()
     assert any(p is a_params[0] for p in torchnative.pinned())
     # no program baked an adapted parameter: each is a float32 input wherever a delegate reads it
-    for program in built:
-        for _, ref, _ in program.baked:
+    for event in built:
+        for _, ref, _ in event.program.baked:
             assert not any(ref() is p for p in a_params)
+    if quantize is None:
+        return
+    assert torchnative.stats()["quantized"].get(
+        "not quantized: autograd records the graph (run under torch.no_grad() to quantize)", 0) > 0
+    x = _batches(1)[0]
+    reference = _with_dequantized_weights(copy.deepcopy(eager), quantize)
+    with record(events.ProgramBuilt) as evaluated, torch.no_grad():
+        outs = [accel(pixel_values=x).logits for _ in range(3)]
+        torch.testing.assert_close(outs[-1], reference(pixel_values=x).logits, rtol=1e-4, atol=1e-5)
+    graph = evaluated[-1].program.graph
+    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    assert any(p.meta["val"].dtype == torch.int8 for p in placeholders), "the conv weights are int8"
+    inputs = dict(zip(placeholders, graph.input_roles))
+    bn = [p for p, role in inputs.items() if role == "pinned"]
+    assert bn and all(p.meta["val"].dtype == torch.float32 for p in bn)
 
 
 def _mlp():
@@ -122,9 +139,9 @@ def test_quantize_int8_leaves_pinned_submodule_float():
         for i in (0, 4):  # what the graph computes for the unpinned weights
             reference[i].weight.copy_(dequantized(model[i].weight, "int8"))
     x = torch.randn(5, 32)
-    built = _programs_built(lambda: [torchnative.accelerate(model, delegates=DELEGATES, quantize="int8")(x)
-                                     for _ in range(3)])
+    torchnative.accelerate(model, delegates=DELEGATES, quantize="int8")
     with torch.no_grad():
+        built = _programs_built(lambda: [model(x) for _ in range(3)])
         torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5)
     graph = built[-1].program.graph
     roles = dict(zip([n.name for n in graph.gm.graph.nodes if n.op == "placeholder"], graph.input_roles))

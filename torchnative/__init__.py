@@ -59,6 +59,8 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
             `"q8_0"` or `"q4k"` (GGUF k-quants, made by candle; needs candle-nn) for those that are
             a matmul's 2-D weight: the `candle` delegate runs them with its k-quant kernels;
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses.
+            Graphs that autograd records (grad mode on, an input requiring grad) stay float32,
+            with a warning: their backward would run on the float weights autograd saved.
     """
     _check_quantize(quantize)
     with session(delegates, compile_after=compile_after, quantize=quantize):

@@ -3,6 +3,7 @@ cached by graph key + guards, run with errors that name the op and the user's so
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -280,6 +281,20 @@ def _declined(graph: CapturedGraph, declined: dict) -> tuple:
     return tuple((target.get(name, name), d, why) for name, reasons in declined.items() for d, why in reasons)
 
 
+_FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
+
+
+def _under_autograd(inputs: list[torch.Tensor]) -> bool:
+    """Autograd records this graph's ops above the door, saving the float weights, and a backward
+    runs on those: a quantized forward would get another function's gradients (TENT would adapt
+    to a model it does not run). Such graphs stay float, and the user is told once."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+        return False
+    warnings.warn("torchnative: quantize= leaves the graphs autograd records in float32 (their backward "
+                  "would use the float weights); run inference under torch.no_grad() to quantize", stacklevel=2)
+    return True
+
+
 _programs: dict = {}
 _runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
 
@@ -297,6 +312,9 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
         seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
         if seen < compile_after:
             delegates = (eager,)
+    differentiated = quantize is not None and _under_autograd(inputs)
+    if differentiated:
+        quantize = None
     key = (node, sig, delegates, quantize)
     candidates = _programs.get(key)
     if candidates is None:
@@ -310,6 +328,8 @@ def program_for(node: Node, sig: Signature, delegates: tuple[Delegate, ...],
             pin(t, f"written between two runs of graph {p.graph.key[:12]} (updated at test time): "
                    f"now an input of every program, never baked, folded or quantized")
     events.STATS.cache_misses += 1
+    if differentiated:
+        events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
     candidates[:] = [p for p in candidates if not p.stale()]
     p = Program(build_graph(node, sig), delegates, inputs, quantize, calibration_sets=calibration.sets((node, sig)))
     candidates.append(p)
