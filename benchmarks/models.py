@@ -44,7 +44,9 @@ def _workload(name: str):
         from transformers import StaticCache
         m = models.build("gpt2", "base")
         ids = models.example_inputs("gpt2", m, seq=128)["input_ids"]
-        cache = StaticCache(config=m.config, max_cache_len=160)
+        # 129 slots: the 128-token past and this step's token, what the standalone's cache holds
+        # after its concat; a larger static cache would also attend over (masked) empty slots
+        cache = StaticCache(config=m.config, max_cache_len=129)
         with torch.no_grad():
             m(ids, past_key_values=cache, cache_position=torch.arange(128))
         # one decode step at position 128. StaticCache keeps its own write position (a tensor per
