@@ -653,12 +653,12 @@ class Candle:
         fp32, quantize = [], {}
         # the quantize pass's k-quants (passes.quantize): made already, of the values eager uses
         blocks = {n.name: n.meta["kquant"] for n in kept if "kquant" in n.meta}
-        for n in kept:
-            w = None if n.name in blocks else _weight(n, values[n], self.quant if n in origin else None)
-            if w is not None:
-                quantize[n.name] = w
-            elif n.name not in blocks:
+        for n in (n for n in kept if n.name not in blocks):
+            w = _weight(n, values[n], self.quant if n in origin else None)
+            if w is None:
                 fp32.append((n.name, values[n].contiguous()))
+            else:
+                quantize[n.name] = w
         gguf = b""
         if quantize or blocks:
             f = _memfile()
