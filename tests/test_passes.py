@@ -1,5 +1,6 @@
 """Passes on their own: constant folding (what weights alone determine is computed once, at
-build; never from pinned tensors; recomputed when a weight changes; autograd unaffected)."""
+build; never from pinned tensors; recomputed when a weight changes; autograd unaffected), a
+state's slice writes in place, GGUF k-quant weights."""
 import pytest
 import torch
 
@@ -140,3 +141,38 @@ def test_cache_slice_write_becomes_one_in_place_update(variant):
         assert all(tuple(n.meta["val"].shape) != cache_shape for n in program.steps[0].outputs)
     else:  # the old cache is read as well, or the write adds: a whole new value, copied back
         assert writes == 0
+
+
+def test_kquant_weights_become_dequantized_constants_carrying_their_blocks():
+    """quantize="q4k" on its own: a matmul's weight operand (the param through its views) becomes a
+    constant of its k-quant's dequantized values, the candle QTensor in its meta, and the view is
+    gone; a pinned weight, and one whose input dimension does not fill 256-wide blocks, stay."""
+    pytest.importorskip("candle", reason="the k-quants are made by candle (pip install candle-nn==0.4.2)")
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.functional import linear
+
+    from torchnative.ir import CapturedGraph
+    from torchnative.passes.derived import Derived
+    from torchnative.passes.quantize import dequantized, quantize_weights
+
+    def f(x, w1, w2, w3):
+        return (linear(linear(linear(x, w1), w2), w3),)
+
+    args = [torch.randn(4, 256), torch.randn(512, 256), torch.randn(96, 512), torch.randn(8, 96)]
+    gm = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    graph = CapturedGraph(gm, ["input", "param", "pinned", "param"], ["output"], {})
+    derived = Derived()
+    torchnative.reset_stats()
+    graph = quantize_weights(graph, args, "q4k", derived)
+    kquants = [n for n in graph.gm.graph.nodes if "kquant" in n.meta]
+    assert len(kquants) == 1 and derived.sources == {1} and graph.input_roles[-1] == "constant"
+    torch.testing.assert_close(derived.tensors[0], dequantized(args[1], "q4k").t(), rtol=0, atol=0)
+    assert kquants[0].meta["kquant"].shape == (512, 256)  # blocks along the input dimension
+    assert not any(n.target is aten.t.default and n.args[0].name == "w1_1" for n in graph.gm.graph.nodes)
+    assert torchnative.stats()["quantized"] == {
+        "q4k: quantized": 1,
+        "q4k: a matmul weight of shape [96, 8]: q4k needs 2-D, input dimension a multiple of 256": 1}
+    (y,) = graph.gm(*args, *derived.tensors)
+    (expected,) = f(args[0], dequantized(args[1], "q4k"), args[2], args[3])
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
