@@ -204,3 +204,37 @@ def test_attention_ort_translates_itself_runs_like_eager(layout, mask):
         e = torchnative.explain(attend)
     torch.testing.assert_close(e.output, attend(), rtol=1e-5, atol=1e-6)
     assert [d for parts in e.partitions for d, _ in parts] == ["ort"], e.partitions
+
+
+def test_ort_writes_a_state_update_into_the_callers_tensor_and_refuses_a_strided_one():
+    """The runner behind the `ort` delegate's state updates (its ScatterND's output bound to the
+    written input's buffer): the caller's tensor itself holds the new rows after the run, and a
+    tensor it cannot write in place (not contiguous) is an error that names it, with nothing written."""
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from torchnative.delegates.ort import _writing_runner
+
+    shape = [2, 6, 4]
+    nodes = [helper.make_node("ScatterND", ["cache", "where", "rows"], ["written"]),
+             helper.make_node("ReduceSum", ["written"], ["total"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("cache", TensorProto.FLOAT, shape),
+                                           helper.make_tensor_value_info("where", TensorProto.INT64, [2, 1, 2]),
+                                           helper.make_tensor_value_info("rows", TensorProto.FLOAT, [2, 1, 4])],
+                              [helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("written", TensorProto.FLOAT, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    run = _writing_runner(session, [0], [[[], "float32"]], ())
+    cache, where, rows = torch.zeros(shape), torch.tensor([[[0, 3]], [[1, 5]]]), torch.randn(2, 1, 4)
+    expected = cache.clone()
+    expected[0, 3], expected[1, 5] = rows[0, 0], rows[1, 0]
+    pointer = cache.data_ptr()
+    (total,) = run([cache, where, rows])
+    assert cache.data_ptr() == pointer and torch.equal(cache, expected)
+    torch.testing.assert_close(total, expected.sum())
+    strided = torch.zeros(6, 2, 4).transpose(0, 1)
+    with pytest.raises(RuntimeError, match="'written' is not contiguous"):
+        run([strided, where, rows])
+    assert not strided.any()

@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from torchnative.delegates.base import YES, Support
 from torchnative.partitioner import partition
+from torchnative.partitioner.partition import _IN_PLACE
 
 aten = torch.ops.aten
 
@@ -119,3 +120,21 @@ def test_view_only_regions_go_to_eager():
 
     plan = partition(_graph(build), [Takes("d", {aten.view.default})])
     assert _layout(plan) == [("eager", ["v", "s"])]
+
+
+def test_a_state_update_goes_only_to_a_delegate_that_writes_in_place():
+    # b = index_put_(x, ...) writes the caller's tensor x: a delegate that returns new tensors
+    # cannot run it, whatever ops it takes; one that says it writes in place (ort) can
+    def build(g, x):
+        a = g.call_function(aten.relu.default, (x,), name="a")
+        g.call_function(aten.index_put_.default, (x, [None, a], a), name="b")
+        return g.call_function(aten.add.Tensor, (a, a), name="c")
+
+    ops = {aten.relu.default, aten.index_put_.default, aten.add.Tensor}
+    writer = Takes("writer", ops)
+    writer.writes_in_place = True
+    plan = partition(_graph(build), [Takes("d", ops)])
+    assert _layout(plan) == [("d", ["a", "c"]), ("eager", ["b"])]
+    assert plan.declined["b"] == [("d", _IN_PLACE)]
+    plan = partition(_graph(build), [Takes("d", ops), writer])
+    assert _layout(plan) == [("d", ["a", "c"]), ("writer", ["b"])] and plan.declined["b"] == [("d", _IN_PLACE)]

@@ -67,6 +67,9 @@ class Delegate(Protocol):
     name: str
     external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)
     composites: frozenset[str]  # fusions (passes.fuse.COMPOSITES) it maps to one kernel, applied before compile
+    # runs the state updates of passes.state (aten.index_put_ of a state input) on the caller's
+    # tensor itself; the partitioner leaves them to eager for a delegate that does not
+    writes_in_place: bool
 
     def available(self) -> Availability: ...
 

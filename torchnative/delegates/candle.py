@@ -595,6 +595,7 @@ def _weight(n: fx.Node, value: torch.Tensor, quant: str | None) -> torch.Tensor 
 
 class Candle:
     external_weights = False
+    writes_in_place = False
     composites: frozenset[str] = frozenset()
 
     def __init__(self, name: str, quant: str | None = None):

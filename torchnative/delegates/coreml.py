@@ -133,6 +133,7 @@ def describe(payload: bytes) -> dict:
 class CoreML:
     name = "coreml"
     external_weights = False
+    writes_in_place = False
     composites: frozenset[str] = frozenset()
 
     def __init__(self, precision: str = "float16", compress: str | None = None):

@@ -10,6 +10,7 @@ from torchnative.ir import CapturedGraph
 class Eager:
     name = "eager"
     external_weights = False
+    writes_in_place = True  # it is eager
     composites: frozenset[str] = frozenset()
 
     def available(self) -> Availability:

@@ -132,6 +132,7 @@ def _device(driver: str):
 
 class Iree:
     external_weights = True  # weights are arguments, uploaded once at load
+    writes_in_place = False
     composites: frozenset[str] = frozenset()
 
     def __init__(self, name: str, backend: str, driver: str, flags: tuple[str, ...] = (), decompose: tuple[str, ...] = ()):

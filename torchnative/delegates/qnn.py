@@ -77,6 +77,7 @@ def _runtime_samples(graph: CapturedGraph) -> list[list[np.ndarray]]:
 class Qnn:
     name = "qnn"
     external_weights = False
+    writes_in_place = False
     composites: frozenset[str] = frozenset()
     calibrates = True  # wants graph.samples: activation ranges come from real values
 

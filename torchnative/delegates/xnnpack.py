@@ -59,6 +59,7 @@ def _check_all_delegated(graph: fx.Graph) -> None:
 class Xnnpack:
     name = "xnnpack"
     external_weights = False
+    writes_in_place = False
     composites: frozenset[str] = frozenset()
 
     def available(self) -> Availability:

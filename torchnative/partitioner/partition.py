@@ -13,7 +13,7 @@ from typing import Sequence
 import networkx as nx
 import torch.fx as fx
 
-from torchnative.delegates.base import Delegate
+from torchnative.delegates.base import Delegate, Support
 
 EAGER = "eager"
 
@@ -64,12 +64,11 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
         if n.target is operator.getitem:  # goes with the node whose output it unpacks
             label[n] = label[n.args[0]]
             continue
-        if _writes_in_place(n):
-            label[n] = EAGER
-            declined[n.name] = [(d.name, _IN_PLACE) for d in delegates if d.name != EAGER]
-            continue
         for d in delegates:
-            verdict = d.supports(n)
+            # a state update writes the caller's tensor: a delegate whose results are new tensors
+            # cannot run it (getattr: a delegate that does not say it can, cannot)
+            in_place = getattr(d, "writes_in_place", False)
+            verdict = d.supports(n) if in_place or not _writes_in_place(n) else Support(False, _IN_PLACE)
             if verdict:
                 label[n] = d.name
                 break

@@ -6,8 +6,9 @@ cache written at a few positions that is two full copies per step (the delegate'
 the copy back): 24 of them, 12 MB, in a GPT-2 small decode step. Here such an output becomes
 the state update primitive `aten.index_put_(state, indices, values)` on the caller's tensor;
 the graph outputs the tensor itself, and the write-back finds nothing to copy. The partitioner
-leaves the primitive to eager (a delegate's results are new tensors: it cannot write the
-caller's), so a delegate's partition hands out only the written values.
+gives the primitive to a delegate that writes the caller's tensor (`writes_in_place`: `ort` binds
+its ScatterND's output to the tensor's buffer), else to eager, and a delegate's partition then
+hands out only the written values.
 """
 from __future__ import annotations
 
