@@ -234,7 +234,18 @@ def test_ort_writes_a_state_update_into_the_callers_tensor_and_refuses_a_strided
     (total,) = run([cache, where, rows])
     assert cache.data_ptr() == pointer and torch.equal(cache, expected)
     torch.testing.assert_close(total, expected.sum())
-    strided = torch.zeros(6, 2, 4).transpose(0, 1)
-    with pytest.raises(RuntimeError, match="'written' is not contiguous"):
-        run([strided, where, rows])
-    assert not strided.any()
+    # again, into the same tensor (bound already), then into another one
+    rows = torch.randn(2, 1, 4)
+    expected[0, 3], expected[1, 5] = rows[0, 0], rows[1, 0]
+    (total,) = run([cache, where, rows])
+    assert torch.equal(cache, expected)
+    torch.testing.assert_close(total, expected.sum())
+    other = torch.ones(shape)
+    run([other, where, rows])
+    assert torch.equal(other[0, 3], rows[0, 0]) and other[0, 2].eq(1).all() and torch.equal(cache, expected)
+    # a strided tensor, even one at the address bound before (a transposed view of it)
+    for strided in (torch.zeros(6, 2, 4).transpose(0, 1), other.view(6, 2, 4).transpose(0, 1)):
+        before = strided.clone()
+        with pytest.raises(RuntimeError, match="'written' is not contiguous"):
+            run([strided, where, rows])
+        assert torch.equal(strided, before)
