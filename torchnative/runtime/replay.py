@@ -123,6 +123,17 @@ class Step:
     reads: tuple                  # ((j, value), ...): Python read output j as this scalar
     writes: tuple = ()            # sources of the real tensors the trailing values are copied into
 
+    def __post_init__(self) -> None:
+        # most inputs are weights ("const"): filled in once, not resolved on every call
+        object.__setattr__(self, "_template", [s[1] if s[0] == "const" else None for s in self.sources])
+        object.__setattr__(self, "_resolved", [(k, s) for k, s in enumerate(self.sources) if s[0] != "const"])
+
+    def inputs(self, leaves: list, produced: list) -> list:
+        inputs = self._template.copy()
+        for k, s in self._resolved:
+            inputs[k] = _resolve(s, leaves, produced)
+        return inputs
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -147,7 +158,7 @@ class Trace:
             return None
         produced: list[list] = []
         for step in self.steps:
-            inputs = [_resolve(s, leaves, produced) for s in step.sources]
+            inputs = step.inputs(leaves, produced)
             if not step.program.valid_for(inputs):
                 return None
             values = step.program(inputs)
