@@ -283,8 +283,9 @@ def _writing_runner(session, written: list[int], outputs: list, keep) -> Runner:
     ONNX Runtime's ScatterND, whose output is then its input, writes the indexed rows and copies
     nothing (a GPT-2 decode step's 24 caches are 9.5 MB, which a plain run copies whole).
     Outputs are written into tensors allocated here. A binding (one per thread) keeps what it was
-    given: a buffer bound at the same address as on the previous call is not bound again (binding
-    a decode step's 37 inputs and 24 caches took 0.7-1.1 ms a call, 4 % of the step)."""
+    given (it holds the input arrays alive until they are replaced): a buffer at the same address
+    as on the previous call is not bound again (binding a decode step's 37 inputs and 24 caches
+    took 0.7-1.1 ms a call, 4 % of the step)."""
     names = [i.name for i in session.get_inputs()]
     out_names = [o.name for o in session.get_outputs()]
     kinds = [(shape, getattr(torch, dtype)) for shape, dtype in outputs]
@@ -295,8 +296,8 @@ def _writing_runner(session, written: list[int], outputs: list, keep) -> Runner:
             local.binding, local.bound = session.io_binding(), {}
         binding, bound = local.binding, local.bound
         for name, t in zip(names, inputs):
-            t = t.detach().contiguous()
-            if bound.get(name) != t.data_ptr():
+            if bound.get(name) != t.data_ptr() or not t.is_contiguous():
+                t = t.detach().contiguous()  # a strided input is bound as a copy, on every call
                 binding.bind_cpu_input(name, t.numpy())
                 bound[name] = t.data_ptr()
         results = [torch.empty(shape, dtype=dtype) for shape, dtype in kinds]
@@ -304,7 +305,7 @@ def _writing_runner(session, written: list[int], outputs: list, keep) -> Runner:
             if not t.is_contiguous():  # ONNX Runtime would write it as if it were
                 raise RuntimeError(f"ort: the state tensor written in place as {name!r} is not contiguous "
                                    f"(strides {t.stride()}); eager writes it")
-            if bound.get(name) != t.data_ptr():  # a result is a new tensor, bound every call
+            if bound.get(name) != t.data_ptr():  # results are new tensors, mostly at new addresses
                 binding.bind_output(name, "cpu", 0, t.numpy().dtype, list(t.shape), t.data_ptr())
                 bound[name] = t.data_ptr()
         session.run_with_iobinding(binding)
