@@ -10,7 +10,7 @@ from torchnative.ir import CapturedGraph
 class Eager:
     name = "eager"
     external_weights = False
-    writes_in_place = True  # it is eager
+    writes_in_place = True  # it runs the graph as code: index_put_ writes the caller's tensor
     composites: frozenset[str] = frozenset()
 
     def available(self) -> Availability:
