@@ -64,11 +64,11 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
         if n.target is operator.getitem:  # goes with the node whose output it unpacks
             label[n] = label[n.args[0]]
             continue
+        # a state update writes the caller's tensor: a delegate whose results are new tensors
+        # cannot run it (getattr: a delegate that does not say it can, cannot)
+        writes = _writes_in_place(n)
         for d in delegates:
-            # a state update writes the caller's tensor: a delegate whose results are new tensors
-            # cannot run it (getattr: a delegate that does not say it can, cannot)
-            in_place = getattr(d, "writes_in_place", False)
-            verdict = d.supports(n) if in_place or not _writes_in_place(n) else Support(False, _IN_PLACE)
+            verdict = Support(False, _IN_PLACE) if writes and not getattr(d, "writes_in_place", False) else d.supports(n)
             if verdict:
                 label[n] = d.name
                 break
