@@ -120,6 +120,31 @@ def test_explain_reports_graphs_and_breaks_with_user_line():
     assert e.op_counts["aten.sin.default"] == 1
 
 
+def test_a_read_of_data_no_input_reaches_does_not_break_the_graph():
+    """transformers reads `(positions.diff() != 1).cumsum(-1)[:, -1] == 0).all()` of an arange:
+    its value follows from the recorded path alone, so the graph goes on; per path, not once."""
+    def f(x):
+        y = x.sin()
+        if torch.arange(x.shape[0]).sum().item() > 10:  # 3 rows: 3; 6 rows: 15
+            return y * 2
+        return y * 3
+
+    for rows in (3, 6, 3, 6):
+        x = torch.randn(rows)
+        e = torchnative.explain(f, x)
+        assert not e.breaks and len(e.graphs) == 1, e.breaks
+        torch.testing.assert_close(e.output, f(x), rtol=0, atol=0)
+    with torchnative.capture(compile_after=1):  # recorded, then replayed
+        for rows in (3, 6, 3, 6, 3, 6):
+            x = torch.randn(rows)
+            torch.testing.assert_close(f(x), x.sin() * (2 if rows == 6 else 3), rtol=0, atol=0)
+
+    def g(x):  # the data comes from an input: Python's branch is a cut, as before
+        return x * 2 if (x + torch.arange(3)).sum().item() > 0 else x * 3
+    e = torchnative.explain(g, torch.ones(3))
+    assert len(e.breaks) == 1 and e.breaks[0].op == "aten._local_scalar_dense.default"
+
+
 def test_stats_count_syncs_by_reason():
     torchnative.reset_stats()
     x = torch.randn(4)

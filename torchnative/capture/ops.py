@@ -24,6 +24,7 @@ class Kind(enum.Enum):
     IDENTITY = "identity"      # returns its argument (lift_fresh of a fresh literal)
     ANSWER = "answer"          # a metadata query answered without data
     RANDOM = "random"          # draws from the global generator: runs now, as eager would
+    READ = "read"              # returns a Python value from tensor data: cuts unless the data is constant
     CUT = "cut"                # needs concrete data, or nothing can record it: run eagerly
 
 
@@ -185,7 +186,7 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         # or restored the generator (fork_rng, manual_seed); so it runs when it is called.
         return OpClass(Kind.RANDOM, reason=f"random op on a pending tensor: {op}")
     if not _returns_tensors(schema):
-        return OpClass(Kind.CUT, reason=f"data read: {op} returns a Python value")
+        return OpClass(Kind.READ, reason=f"data read: {op} returns a Python value")
     if op in DATA_DEPENDENT:
         return OpClass(Kind.CUT, reason=f"data-dependent output shape: {op}")
     if schema.is_mutable:

@@ -22,15 +22,19 @@ from torchnative import events
 from torchnative.capture import views
 from torchnative.capture.meta import Unrecordable, infer, meta_of
 from torchnative.capture.ops import _CLASSES, Kind, classify
-from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature
+from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
-_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM = (
-    Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE, Kind.ANSWER, Kind.RANDOM)
+_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ = (
+    Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE, Kind.ANSWER, Kind.RANDOM,
+    Kind.READ)
+_CUTS = (Kind.CUT, Kind.READ)
+_NO_ANSWER = object()
+_PLAIN = (int, float, bool, type(None))
 
 # frames inside these directories are not the user's code
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
@@ -109,6 +113,8 @@ class Recorder:
             return c.decomposition(*args, **kwargs)
         if k is _RANDOM and not self.roots and not _any_pending(args, kwargs):
             return self.eagerly(op, args, kwargs)
+        if k is _READ:
+            return self.read(op, args, kwargs, c.reason)
         return self.cut(op, args, kwargs, c.reason)
 
     def eagerly(self, op, args: tuple, kwargs: dict) -> Any:
@@ -260,7 +266,7 @@ class Recorder:
         return self.enc(self.call(aten.as_strided.default, (dense, list(x.shape), list(x.stride()), x.storage_offset())))
 
     def inplace(self, op, functional, args: tuple, kwargs: dict) -> Any:
-        if classify(functional).kind is Kind.CUT:
+        if classify(functional).kind in _CUTS:
             return self.cut(op, args, kwargs, classify(functional).reason)
         dst = args[0]
         new = self.call(functional, args, kwargs)
@@ -315,7 +321,36 @@ class Recorder:
         self.rgen[id(root)] = self.rgen.get(id(root), 0) + 1
         self.roots[id(root)] = root
 
-    # -- cuts -----------------------------------------------------------------------------------
+    # -- reads and cuts -------------------------------------------------------------------------
+    def read(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
+        """A Python value from pending data. Data computed from no graph input (positions from an
+        arange, a mask from shapes) is a function of the recorded path alone, so its value is the
+        same on every call that records this path: it is computed apart, once per path, and the
+        graph goes on. Anything else cuts the graph here."""
+        epoch = self.epoch
+        if kwargs or not all(type(a) in _PLAIN or (type(a) is LazyTensor and a._slot >= 0 and (a._vbase is None or a._epoch == epoch))
+                             for a in args):
+            return self.cut(op, args, kwargs, reason)
+        key = (id(op), tuple([self.enc(a) for a in args]))
+        answers = self.node.answers
+        if answers is None:
+            answers = self.node.answers = {}
+        answer = answers.get(key)
+        if answer is None:
+            answer = answers[key] = self.answer(op, args)
+        return self.cut(op, args, kwargs, reason) if answer is _NO_ANSWER else answer
+
+    def answer(self, op, args: tuple) -> Any:
+        """`op` run on the values of its pending arguments when no graph input reaches them, else
+        _NO_ANSWER."""
+        tensors = [a for a in args if type(a) is LazyTensor]
+        graph = build_graph(self.node, Signature(tuple(t._slot for t in tensors), ()))
+        if any(p.users for p in graph.gm.graph.find_nodes(op="placeholder")):
+            return _NO_ANSWER
+        with _disable_current_modes(), torch.no_grad():
+            values = iter(graph.gm(*[None] * len(graph.input_roles)))
+            return op(*[next(values) if type(a) is LazyTensor else a for a in args])
+
     def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
         self.flush(reason, op)
         out = self.eagerly(op, args, kwargs)

@@ -38,7 +38,7 @@ REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by Node, so REFS[slot] 
 
 class Node:
     __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
-                 "is_view", "role", "stack", "children", "next_slot", "n_ops")
+                 "is_view", "role", "stack", "children", "next_slot", "n_ops", "answers")
 
     def __init__(self, parent: "Node | None", op: Any, args: tuple, kwargs: tuple,
                  out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
@@ -58,6 +58,7 @@ class Node:
         self.role = role
         self.stack = stack
         self.children: dict = {}
+        self.answers: dict | None = None  # data reads answered here without a cut (Recorder.read)
         # ops recorded on the path to here (inputs are not ops)
         self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
 
