@@ -81,6 +81,25 @@ def test_gradients_flow_to_a_folded_weight():
     torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_a_zero_bias_is_dropped_and_its_change_rebuilds_the_program():
+    model, x = torch.nn.Linear(16, 8), torch.randn(4, 16)
+    torch.nn.init.zeros_(model.bias)
+    y, graph = _built(model, x)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    assert "aten.mm.default" in graph.ops() and "aten.addmm.default" not in graph.ops()
+    with torch.no_grad():
+        model.bias.add_(1.0)  # the bias learns: the program built without it is stale
+    y, graph = _built(model, x)
+    torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+    assert "aten.addmm.default" in graph.ops()
+    for _ in range(3):
+        with torchnative.capture(["ort"], compile_after=1):
+            y = model(x)
+        torch.testing.assert_close(y, model(x), rtol=1e-6, atol=1e-6)
+        with torch.no_grad():
+            model.bias.copy_(torch.zeros(8) if model.bias.any() else torch.ones(8))
+
+
 class CacheWrite(torch.nn.Module):
     """A KV-cache-like buffer written at given positions, then read whole (as attention does).
     `peek`: the old cache is also read before the write; `add`: the write accumulates."""

@@ -12,7 +12,7 @@ import torch
 from torchnative.ir import CapturedGraph
 from torchnative.passes.cleanup import cse, hoist_placeholders
 from torchnative.passes.derived import Derived
-from torchnative.passes.fold import fold_constants
+from torchnative.passes.fold import drop_zero_biases, fold_constants
 from torchnative.passes.fuse import mark_halves
 from torchnative.passes.pin import apply_pins
 from torchnative.passes.quantize import quantize_weights
@@ -20,12 +20,12 @@ from torchnative.passes.state import slice_updates
 
 
 def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | None = None) -> tuple[CapturedGraph, Derived]:
-    """Pinned roles, CSE/DCE, constant folding, weight quantization, a state's slice writes in
+    """Pinned roles, CSE/DCE, constant folding and zero biases dropped, weight quantization, a state's slice writes in
     place (passes.state); values marked for fusion (which runs per partition, before a delegate
     compiles it). The Derived tensors are appended to the program's inputs on every call."""
     derived = Derived()
     graph = mark_halves(cse(hoist_placeholders(apply_pins(graph.copy(), inputs))))
-    graph = fold_constants(graph, inputs, derived)
+    graph = drop_zero_biases(fold_constants(graph, inputs, derived), inputs, derived)
     if quantize is not None:
         graph = quantize_weights(graph, inputs, quantize, derived)
     return slice_updates(graph), derived

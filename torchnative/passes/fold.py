@@ -1,7 +1,7 @@
 """Constant folding: what `param` and `constant` inputs alone determine (a RoPE table from its
 inverse frequencies, a scaled weight, a mask built from `arange`) is computed once, when the
-program is built, and enters the graph as a `constant` input. `pinned` and `state` inputs change at
-test time, so nothing that reads them is folded."""
+program is built, and enters the graph as a `constant` input; a bias that is all zeros is dropped.
+`pinned` and `state` inputs change at test time, so nothing that reads them is folded."""
 from __future__ import annotations
 
 import operator
@@ -71,6 +71,33 @@ def fold_constants(graph: CapturedGraph, inputs: list[torch.Tensor], derived: De
         folded += 1
     events.STATS.folded += folded
     return dce(graph) if folded else graph
+
+
+def drop_zero_biases(graph: CapturedGraph, inputs: list[torch.Tensor], derived: Derived) -> CapturedGraph:
+    """`addmm(b, x, w)` whose bias `b` is a weight of zeros becomes `mm(x, w)`: one add less per
+    element of the output (a Gemm that writes its bias into the output, then accumulates onto it).
+    Freshly initialised models have zero biases (transformers' `_init_weights`), and
+    torch.onnx.export's optimizer drops them the same way. The bias becomes a source of the
+    program, which a change to it makes stale."""
+    index = dict(zip(placeholders(graph), range(len(inputs))))
+    g = graph.gm.graph
+    dropped = 0
+    for n in list(g.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)):
+        bias = n.args[0]
+        i = index.get(bias)
+        if i is None or graph.input_roles[i] not in ("param", "constant") or n.kwargs.get("alpha", 1) != 1:
+            continue
+        if inputs[i].any():
+            continue
+        with g.inserting_before(n):
+            mm = g.call_function(torch.ops.aten.mm.default, n.args[1:3])
+        mm.meta = dict(n.meta)
+        n.replace_all_uses_with(mm)
+        g.erase_node(n)
+        derived.sources.add(i)
+        dropped += 1
+    events.STATS.folded += dropped
+    return dce(graph) if dropped else graph
 
 
 def _evaluate(graph: CapturedGraph, inputs: list[torch.Tensor], wanted: list[fx.Node]) -> dict[fx.Node, object]:
