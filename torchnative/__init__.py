@@ -10,7 +10,6 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.bundle import Bundle, BundleError
@@ -27,7 +26,7 @@ from torchnative.passes.quantize import KQUANTS, SCHEMES
 from torchnative.runtime import calibration as _calibration
 from torchnative.runtime import disk_cache
 from torchnative.runtime.program import CapturedOpError
-from torchnative.runtime.replay import Replayer, Tracer, guard_key
+from torchnative.runtime.replay import Replayer, Tracer, flatten_call, guard_key
 from torchnative.runtime.session import real_outputs, session
 from torchnative.shim import LazyTensor, current_handler
 
@@ -103,7 +102,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         key = None
         # inside a capture the outer session records; while calibrating every call is recorded
         if replay and current_handler() is None and not _calibration.active():
-            leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, spec = flatten_call(args, kwargs)
             key = guard_key(model, leaves, spec)
         if key is None:
             with session(delegates, buffers, compile_after=compile_after, quantize=quantize):

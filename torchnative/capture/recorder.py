@@ -71,6 +71,15 @@ def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
         dst.data = _make(LazyTensor, like.shape, like.stride(), like.storage_offset(), None, like.dtype)
 
 
+def copy_back(roots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Each root given its new value, in one call (a decode step writes a dozen counters), but
+    for the roots the program wrote in place (passes.state), whose value is the root itself."""
+    pairs = [(r, v) for r, v in zip(roots, values) if r is not v]
+    if pairs:
+        with torch.no_grad():
+            torch._foreach_copy_(*map(list, zip(*pairs)))
+
+
 class Recorder:
     def __init__(self, execute: Execute, mode: DoorMode, weights: frozenset[int] = frozenset()):
         self.execute = execute
@@ -404,10 +413,7 @@ class Recorder:
             # each in-place op already bumped its tensor's version above the door, as in eager;
             # the write-back is not one of the user's ops (a kernel's own writes, like BatchNorm's
             # running stats, bump nothing in eager), and autograd checks saved tensors' versions
-            with torch.no_grad():
-                for root, v in zip(roots, values[len(outputs):]):
-                    if root is not v:  # else the program wrote it in place (passes.state)
-                        root.copy_(v)
+            copy_back(roots, values[len(outputs):])
             torch._C._autograd._unsafe_set_version_counter(roots, versions)
         for t in pviews:
             base = t._vbase
