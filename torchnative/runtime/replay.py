@@ -310,7 +310,8 @@ class Replayer:
             events.emit(events.ReplayOutcome("miss"))
             return False, None
         events.STATS.replays += 1
-        events.emit(events.ReplayOutcome("replayed"))
+        if events.listeners:
+            events.emit(events.ReplayOutcome("replayed"))
         return True, out
 
     def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any) -> None:
