@@ -160,3 +160,20 @@ def test_argument_object_whose_python_state_changes_is_not_replayed():
         assert_same(model(x, counter), x * 2)
     assert counter.n == 4
     assert torchnative.stats()["replay_ineligible"]
+
+
+def test_call_flattening_is_pytrees():
+    """The shortcut for argument lists without containers gives pytree's leaves and structure;
+    containers (and registered types) still go through pytree."""
+    from torch.utils import _pytree as pytree
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from torchnative.runtime.replay import flatten_call
+    t, cache = torch.ones(2), object()
+    calls = [((t,), {}), ((t, None, 3), {"a": t, "b": cache}), ((), {"b": cache, "a": t}),
+             (([t, t],), {}), ((t,), {"x": {"y": t}}), ((BaseModelOutput(last_hidden_state=t),), {})]
+    for args, kwargs in calls * 2:  # the second time from the shortcut's cache
+        leaves, spec = flatten_call(args, kwargs)
+        want_leaves, want_spec = pytree.tree_flatten((args, kwargs))
+        assert spec == want_spec and len(leaves) == len(want_leaves)
+        assert all(a is b for a, b in zip(leaves, want_leaves))

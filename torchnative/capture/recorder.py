@@ -337,8 +337,11 @@ class Recorder:
         same on every call that records this path: it is computed apart, once per path, and the
         graph goes on. Anything else cuts the graph here."""
         epoch = self.epoch
-        if kwargs or not all(type(a) in _PLAIN or (type(a) is LazyTensor and a._slot >= 0 and (a._vbase is None or a._epoch == epoch))
-                             for a in args):
+
+        def current(a: Any) -> bool:  # a pending value, not a stale view: no op to record for it
+            return type(a) is LazyTensor and a._slot >= 0 and (a._vbase is None or a._epoch == epoch)
+
+        if kwargs or not all(type(a) in _PLAIN or current(a) for a in args):
             return self.cut(op, args, kwargs, reason)
         key = (id(op), tuple([self.enc(a) for a in args]))
         answers = self.node.answers

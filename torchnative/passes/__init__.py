@@ -20,9 +20,10 @@ from torchnative.passes.state import slice_updates
 
 
 def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | None = None) -> tuple[CapturedGraph, Derived]:
-    """Pinned roles, CSE/DCE, constant folding and zero biases dropped, weight quantization, a state's slice writes in
-    place (passes.state); values marked for fusion (which runs per partition, before a delegate
-    compiles it). The Derived tensors are appended to the program's inputs on every call."""
+    """Pinned roles, CSE/DCE, constant folding (zero biases dropped), weight quantization, a
+    state's slice writes in place (passes.state); values marked for fusion (which runs per
+    partition, before a delegate compiles it). The Derived tensors are appended to the
+    program's inputs on every call."""
     derived = Derived()
     graph = mark_halves(cse(hoist_placeholders(apply_pins(graph.copy(), inputs))))
     graph = drop_zero_biases(fold_constants(graph, inputs, derived), inputs, derived)
