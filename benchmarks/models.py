@@ -4,8 +4,10 @@ standalone (the whole model exported), in one run, engines interleaved with idle
     python benchmarks/models.py [--workloads bert,vit,resnet,gpt2-prefill,gpt2-decode] [--runs 20]
                                 [--delegates default,ort,xnnpack,iree-cpu,vulkan,qnn,coreml] [--no-compile]
 
-Prints a table of median ms, speed-up over eager and seconds until compiled (the first call;
-accelerate's first two, as it compiles on the second); writes benchmarks/results/models.json.
+Each engine's time is the median over at least --runs rounds, and over as many as 2 s of eager
+calls take for the fast workloads (~50 for a GPT-2 decode step). Prints a table of median ms,
+speed-up over eager and seconds until compiled (the first call; accelerate's first two, as it
+compiles on the second); writes benchmarks/results/models.json.
 """
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
             _first_call(row, engines, label,  # compile_after=2: the second call compiles
                         lambda: (lambda m: lambda: call(m))(torchnative.accelerate(factory(), delegates=chosen)), 2)
         _first_call(row, engines, "ort_standalone", lambda: standalone(factory()))
-        med = interleave(engines, runs)
+        med = interleave(engines, runs, min_s=2.0)
     engines.clear()
     clear_caches()  # compiled programs hold their own copies of the weights: free them per workload
     gc.collect()
