@@ -177,3 +177,37 @@ def test_call_flattening_is_pytrees():
         want_leaves, want_spec = pytree.tree_flatten((args, kwargs))
         assert spec == want_spec and len(leaves) == len(want_leaves)
         assert all(a is b for a, b in zip(leaves, want_leaves))
+
+
+def test_argument_object_state_is_reused_only_while_unchanged():
+    """The guard reuses an argument object's state while its snapshot holds; every change the
+    full walk sees (a field, a list, a tensor replaced or reshaped in place) gives a new key,
+    equal to the one a fresh walk gives."""
+    from torchnative.runtime.replay import flatten_call, guard_key
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.length, self.ready = torch.zeros(2, 3), 4, False
+
+    class Cache:
+        def __init__(self):
+            self.layers, self.options = [Layer(), Layer()], {"mode": "static"}
+
+    def new_like(c):
+        c.layers[1].keys = torch.zeros(2, 3)
+
+    changes = {"int": lambda c: setattr(c.layers[0], "length", 5), "flag": lambda c: setattr(c.layers[1], "ready", True),
+               "tensor replaced": new_like, "resized in place": lambda c: c.layers[0].keys.resize_(3, 2),
+               "transposed in place": lambda c: c.layers[0].keys.t_(), "list grown": lambda c: c.layers.append(Layer()),
+               "dict key": lambda c: c.options.update(extra=1), "field added": lambda c: setattr(c, "offloading", False)}
+    model, x = torch.nn.Linear(2, 2), torch.ones(2)
+    for what, change in changes.items():
+        cache, snapshots = Cache(), {}
+        leaves, spec = flatten_call((x,), {"cache": cache})
+        before = guard_key(model, leaves, spec, snapshots)
+        again = guard_key(model, leaves, spec, snapshots)
+        assert again == before and again[1][1] is before[1][1], what  # the same state object, reused
+        change(cache)
+        after = guard_key(model, leaves, spec, snapshots)
+        assert after != before, what
+        assert after == guard_key(model, leaves, spec, {}), what

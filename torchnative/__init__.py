@@ -103,7 +103,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         # inside a capture the outer session records; while calibrating every call is recorded
         if replay and current_handler() is None and not _calibration.active():
             leaves, spec = flatten_call(args, kwargs)
-            key = guard_key(model, leaves, spec)
+            key = guard_key(model, leaves, spec, replayer.snapshots)
         if key is None:
             with session(delegates, buffers, compile_after=compile_after, quantize=quantize):
                 out = original(*args, **kwargs)
@@ -115,7 +115,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
         with session(delegates, buffers, tracer, compile_after, quantize):
             out = original(*args, **kwargs)
         out = real_outputs(out)
-        if guard_key(model, leaves, spec) != key:  # the call changed an argument object's Python state
+        if guard_key(model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
             tracer.refuse("the call changed the Python state of an argument object")
         replayer.learn(key, tracer, leaves, out)
         return out

@@ -20,6 +20,7 @@ the reason is counted in `stats()["replay_ineligible"]`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -63,27 +64,65 @@ def _plain(spec: Any, outputs: bool = False) -> bool:
     return ok and all(_plain(c, outputs) for c in spec.children())
 
 
-def object_state(x: Any, tensors: list | None = None, depth: int = 3) -> Any:
+def object_state(x: Any, tensors: list | None = None, depth: int = 3, read: "Snapshot | None" = None) -> Any:
     """An argument object's Python state (a KV cache: its layers, their tensors and counters):
     scalars by value, tensors by identity and metadata (and collected into `tensors`), deeper
-    objects by identity."""
+    objects by identity. `read` is told what the walk looked at."""
     tp = type(x)
     if tp in _SCALARS:  # first: most fields are; isinstance of torch.Tensor costs a metaclass call
         return x
     if tp is torch.Tensor or isinstance(x, torch.Tensor):
         if tensors is not None:  # a tensor made under capture (a cache's lazy init) is a wrapper
             tensors.append(x._value if tp is LazyTensor and x._value is not None else x)
+        if read is not None:
+            read.tensors.append((x, x.shape, x.stride(), x.dtype))
         return ("T", id(x), x.shape, x.stride(), x.dtype)
     if depth == 0:
         return ("O", id(x))
     if tp is list or tp is tuple:
-        return (tp.__name__, *[object_state(v, tensors, depth - 1) for v in x])
-    if tp is dict:
-        return ("dict", *[(k, object_state(v, tensors, depth - 1)) for k, v in x.items()])
-    fields = getattr(x, "__dict__", None)
+        if read is not None and tp is list:
+            read.containers.append((x, None, tuple(x)))
+        return (tp.__name__, *[object_state(v, tensors, depth - 1, read) for v in x])
+    fields = x if tp is dict else getattr(x, "__dict__", None)
     if fields is None:
         return ("O", id(x))
-    return (tp, id(x), *[(k, object_state(v, tensors, depth - 1)) for k, v in fields.items()])
+    if read is not None:
+        read.containers.append((fields, tuple(fields), tuple(fields.values())))
+    state = tuple((k, object_state(v, tensors, depth - 1, read)) for k, v in fields.items())
+    return ("dict", *state) if tp is dict else (tp, id(x), *state)
+
+
+class Snapshot:
+    """An argument object's state (`object_state`) and what its walk read: while every container
+    holds the same objects and every tensor has the same metadata, the state is the same, and
+    checking that is a fraction of the walk (a StaticCache's state has 781 items; a decode step
+    built it on every call). The state is returned as the same object, its hash computed once."""
+    __slots__ = ("obj", "containers", "tensors", "state", "_hash")
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+        self.containers: list[tuple] = []  # (list, None, its items) | (dict, its keys, its values)
+        self.tensors: list[tuple] = []     # (tensor, shape, stride, dtype)
+        self.state = object_state(obj, read=self)
+        self._hash = hash(self.state)
+
+    def holds(self, obj: Any) -> bool:
+        """`obj` is this snapshot's object, unchanged."""
+        if obj is not self.obj:
+            return False
+        for container, keys, items in self.containers:
+            if keys is None:  # a list
+                if len(container) != len(items) or not all(map(operator.is_, container, items)):
+                    return False
+            elif tuple(container) != keys or not all(map(operator.is_, container.values(), items)):
+                return False
+        return all(t.shape == shape and t.stride() == stride and t.dtype is dtype for t, shape, stride, dtype in self.tensors)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is Snapshot and self._hash == other._hash and self.state == other.state)
 
 
 _SPECS: dict[tuple, Any] = {}
@@ -104,13 +143,14 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
     return leaves, spec
 
 
-def guard_key(model: torch.nn.Module, leaves: list, spec: Any) -> tuple | None:
+def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict | None = None) -> tuple | None:
     """What a trace is valid for, from the call's flattened arguments: tensor metadata, scalar
-    values, other objects' identity and Python state (see `object_state`)."""
+    values, other objects' identity and Python state (see `object_state`). `snapshots`: the last
+    object seen at each argument position, whose state is reused while it holds."""
     if not _plain(spec):
         return None
     described = []
-    for x in leaves:
+    for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             if type(x) is not torch.Tensor:
                 return None
@@ -120,7 +160,12 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any) -> tuple | None:
         elif isinstance(x, torch.nn.Module):
             return None  # its parameters are not this module's weights: no guard covers them
         else:
-            described.append(object_state(x))
+            snap = snapshots.get(i) if snapshots is not None else None
+            if snap is None or not snap.holds(x):
+                snap = Snapshot(x)
+                if snapshots is not None:
+                    snapshots[i] = snap
+            described.append(snap)
     return (spec, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
@@ -296,6 +341,7 @@ class Replayer:
     def __init__(self, weights: frozenset[int]):
         self.weights = weights
         self.entries: dict[tuple, _Entry] = {}
+        self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
 
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
