@@ -86,16 +86,15 @@ def _sample_values(graph: CapturedGraph, inputs: list[torch.Tensor]) -> dict[fx.
     return seen
 
 
-def _eager_layout(value: torch.Tensor, node: fx.Node) -> torch.Tensor:
-    """A delegate's output with the strides eager would have given it: later eager ops (view
-    after permute of SDPA's output) and the user can depend on them."""
-    expected = node.meta["val"]
-    stride, want = value.stride(), expected.stride()
+def _eager_layout(value: torch.Tensor, shape: torch.Size, want: tuple) -> torch.Tensor:
+    """A delegate's output with the strides eager would have given it (`want`, for a value of
+    `shape`): later eager ops (view after permute of SDPA's output) and the user can depend on them."""
+    stride = value.stride()
     if stride == want or value.numel() <= 1 or 0 in want:
         return value  # an expanded layout (stride 0) cannot be written into: dense values stay dense
-    if all(a == b for a, b, n in zip(stride, want, expected.shape) if n != 1):
+    if all(a == b for a, b, n in zip(stride, want, shape) if n != 1):
         return value  # the strides differ only on size-1 dims, which address nothing (a decode step's k/v rows)
-    return torch.empty_strided(expected.shape, want, dtype=value.dtype).copy_(value)
+    return torch.empty_strided(shape, want, dtype=value.dtype).copy_(value)
 
 
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
@@ -175,6 +174,7 @@ class Program:
         # params a delegate baked in or a pass computed from: (input index, weakref, version)
         self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in sorted(baked | derived.sources)]
         self._count()
+        self._index()
         events.emit(events.ProgramBuilt(self, time.perf_counter() - started))
 
     def stale(self) -> bool:
@@ -195,6 +195,17 @@ class Program:
     def _count(self) -> None:
         """(delegate, ops) per step, kept: every run's GraphRun event carries it."""
         self.partitions = tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
+
+    def _index(self) -> None:
+        """Where each step's arguments are in the list of values a run builds (the inputs, then
+        each step's outputs in turn), where the program's outputs are, and each delegate output's
+        eager layout: a run looks these up by position (a decode step's program has ~200 inputs)."""
+        at = {n: k for k, n in enumerate(self._placeholders)}
+        for s in self.steps:
+            at.update((n, len(at)) for n in s.outputs)
+        self._args = [[at[n] for n in s.inputs] for s in self.steps]
+        self._results = [at[n] for n in self._outputs]
+        self._layouts = [[(n.meta["val"].shape, n.meta["val"].stride()) for n in s.outputs] for s in self.steps]
 
     def _step(self, part: Partition, delegates: dict, values: dict, position: tuple[int, int], keep: bool) -> Step:
         sub, reads, outputs = _subgraph(self.graph, part, values)
@@ -219,25 +230,25 @@ class Program:
         return step
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
-        env = dict(zip(self._placeholders, inputs))
+        values = list(inputs)
         for i, step in enumerate(self.steps):
-            args = [env[n] for n in step.inputs]
             started = time.perf_counter() if timed else 0.0
             try:
-                outs = step.run(args)
+                outs = step.run([values[k] for k in self._args[i]])
             except Exception as e:
                 if step.delegate == EAGER:
                     raise
                 _fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, len(step.graph.op_nodes()))
                 step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
                 self._count()
-                outs = step.run([env[n] for n in step.inputs])
+                self._index()
+                outs = step.run([values[k] for k in self._args[i]])
             if step.delegate != EAGER:
-                outs = [_eager_layout(v, n) for v, n in zip(outs, step.outputs)]
+                outs = [_eager_layout(v, *layout) for v, layout in zip(outs, self._layouts[i])]
             if timed:
                 events.emit(events.PartitionRun(step, self.graph.key, i, started, time.perf_counter() - started))
-            env.update(zip(step.outputs, outs))
-        return [env[n] for n in self._outputs]
+            values += outs
+        return [values[k] for k in self._results]
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.extra:
