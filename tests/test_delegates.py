@@ -226,7 +226,7 @@ def test_ort_writes_a_state_update_into_the_callers_tensor_and_refuses_a_strided
                                helper.make_tensor_value_info("written", TensorProto.FLOAT, shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    run = _writing_runner(session, [0], [[[], "float32"]], ())
+    run = _writing_runner(session, [0], [[[], "float32"]], [], ())
     cache, where, rows = torch.zeros(shape), torch.tensor([[[0, 3]], [[1, 5]]]), torch.randn(2, 1, 4)
     expected = cache.clone()
     expected[0, 3], expected[1, 5] = rows[0, 0], rows[1, 0]
@@ -249,3 +249,13 @@ def test_ort_writes_a_state_update_into_the_callers_tensor_and_refuses_a_strided
         with pytest.raises(RuntimeError, match="'written' is not contiguous"):
             run([strided, where, rows])
         assert torch.equal(strided, before)
+    # an output the caller copies out right away ("written_back") comes in the same tensor every call
+    reusing = _writing_runner(session, [0], [[[], "float32"]], [0], ())
+    totals = []
+    for _ in range(2):
+        rows = torch.randn(2, 1, 4)
+        expected[0, 3], expected[1, 5] = rows[0, 0], rows[1, 0]
+        (total,) = reusing([cache, where, rows])
+        torch.testing.assert_close(total, expected.sum())
+        totals.append(total)
+    assert totals[0] is totals[1]

@@ -101,13 +101,15 @@ def test_a_zero_bias_is_dropped_and_its_change_rebuilds_the_program():
 
 
 class CacheWrite(torch.nn.Module):
-    """A KV-cache-like buffer written at given positions, then read whole (as attention does).
-    `peek`: the old cache is also read before the write; `add`: the write accumulates."""
+    """A KV-cache-like buffer written at given positions, then read whole (as attention does),
+    and a counter of the steps (StaticCache's). `peek`: the old cache is also read before the
+    write; `add`: the write accumulates."""
 
     def __init__(self, peek=False, add=False):
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)
         self.register_buffer("cache", torch.zeros(1, 2, 6, 8))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.peek, self.add = peek, add
 
     def forward(self, x, pos):
@@ -117,6 +119,7 @@ class CacheWrite(torch.nn.Module):
             self.cache.index_add_(2, pos, k)
         else:
             self.cache.index_copy_(2, pos, k)
+        self.steps.add_(1)
         return (self.cache * 2).sum(2) + old
 
 
@@ -125,6 +128,7 @@ def _stream(model, steps=4):
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(1, 8, generator=g) for _ in range(steps)]
     outs = [model(x, torch.tensor([i])) for i, x in enumerate(xs)]
+    assert model.steps.item() == steps
     return outs, model.cache.clone()
 
 
@@ -159,6 +163,8 @@ def test_cache_slice_write_becomes_one_in_place_update(variant):
         assert [d for d, _ in program.partitions] == ["ort"]
         cache_shape = tuple(accelerated.cache.shape)
         assert all(tuple(n.meta["val"].shape) != cache_shape for n in program.steps[0].outputs)
+        # the counter's new value is only copied into the counter: the runner may reuse its buffer
+        assert program.steps[0].graph.output_roles.count("written_back") == 1
     else:  # the old cache is read as well, or the write adds: a whole new value, copied back
         assert writes == 0
 

@@ -15,7 +15,10 @@ import torch.fx as fx
 HALVES = "repeats_halves"
 
 Role = Literal["input", "param", "pinned", "state", "constant"]
-OutputRole = Literal["output", "state_update"]
+# "written_back": a partition's output that is only a state's new value, copied into the state
+# by the caller right after the run and read by nothing else; a delegate may return it in a
+# buffer it reuses on every call
+OutputRole = Literal["output", "state_update", "written_back"]
 
 
 @dataclass

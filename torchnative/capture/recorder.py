@@ -391,6 +391,9 @@ class Recorder:
 
     def _flush(self) -> None:
         state = tuple((self.inslot[i], self.enc(self.rcur[i]).slot) for i in self.roots)
+        # a root's new value that only this dict holds (a counter's `add_`) is not an output: it
+        # is the state update alone, which a delegate may then write where it reuses a buffer
+        self.rcur = {}
         bases, pviews = [], []
         for w in self.live:
             t = w()

@@ -211,7 +211,8 @@ class OnnxRuntime:
         external = _externalize(model, graph.constants)
         meta = {"n_outputs": len(outputs), "external": sorted(external)}
         if written:
-            meta.update(written=written, outputs=outputs)
+            reused = [k for k, role in enumerate(graph.output_roles[:len(outputs)]) if role == "written_back"]
+            meta.update(written=written, outputs=outputs, reused=reused)
         return Artifact(self.name, model.SerializeToString(), meta, {n: graph.constants[n] for n in external})
 
     def load(self, artifact: Artifact) -> Runner:
@@ -237,7 +238,8 @@ class OnnxRuntime:
             options.add_external_initializers(list(weights), values)
         session = ort.InferenceSession(artifact.payload, options, providers=["CPUExecutionProvider"])
         if artifact.meta.get("written"):
-            return _writing_runner(session, artifact.meta["written"], artifact.meta["outputs"], (weights, values))
+            return _writing_runner(session, artifact.meta["written"], artifact.meta["outputs"], artifact.meta.get("reused", []),
+                                   (weights, values))
         names = [i.name for i in session.get_inputs()]
         run = session.run
 
@@ -283,32 +285,37 @@ def _numpy_dtype(dtype: torch.dtype):
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def _writing_runner(session, written: list[int], outputs: list, keep) -> Runner:
+def _writing_runner(session, written: list[int], outputs: list, reused: list[int], keep) -> Runner:
     """A runner that binds each written state input's own buffer as the output of its update:
     ONNX Runtime's ScatterND, whose output is then its input, writes the indexed rows and copies
     nothing (a GPT-2 decode step's 24 caches are 9.5 MB, which a plain run copies whole).
-    Outputs are written into tensors allocated here. A binding (one per thread) keeps what it was
-    given (it holds the input arrays alive until they are replaced): a buffer at the same address
-    as on the previous call is not bound again (binding a decode step's 37 inputs and 24 caches
-    took 0.7-1.1 ms a call, 4 % of the step)."""
+    Outputs are written into tensors allocated here; the `reused` ones ("written_back": a
+    counter's new value, copied into the counter after the run) into the same tensors every
+    call. A binding (one per thread) keeps what it was given (it holds the input arrays alive
+    until they are replaced): a buffer at the same address as on the previous call is not bound
+    again (binding a decode step's 37 inputs and 24 caches took 0.7-1.1 ms a call, 4 % of the step)."""
     import onnxruntime as ort
 
     names = [i.name for i in session.get_inputs()]
     out_names = [o.name for o in session.get_outputs()]
     kinds = [(shape, getattr(torch, dtype)) for shape, dtype in outputs]
+    fresh = [(k, shape, dtype) for k, (shape, dtype) in enumerate(kinds) if k not in reused]
     cpu = ort.OrtDevice.make("cpu", 0)._get_c_device()
     local = threading.local()
 
     def runner(inputs: list[torch.Tensor], _keep=keep) -> list[torch.Tensor]:
         if not hasattr(local, "binding"):
             local.binding, local.bound = session.io_binding(), {}
+            local.kept = [torch.empty(shape, dtype=dtype) if k in reused else None for k, (shape, dtype) in enumerate(kinds)]
         binding, bound = local.binding, local.bound
         for name, t in zip(names, inputs):
             if bound.get(name) != t.data_ptr() or not t.is_contiguous():
                 t = t.detach().contiguous()  # a strided input is bound as a copy, on every call
                 binding.bind_cpu_input(name, t.numpy())
                 bound[name] = t.data_ptr()
-        results = [torch.empty(shape, dtype=dtype) for shape, dtype in kinds]
+        results = local.kept.copy()
+        for k, shape, dtype in fresh:
+            results[k] = torch.empty(shape, dtype=dtype)
         for name, t in zip(out_names, results + [inputs[i] for i in written]):
             if not t.is_contiguous():  # ONNX Runtime would write it as if it were
                 raise RuntimeError(f"ort: the state tensor written in place as {name!r} is not contiguous "

@@ -65,10 +65,18 @@ def _subgraph(parent: CapturedGraph, part: Partition, values: dict) -> tuple[Cap
     for n in part.nodes:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output([env[o] for o in outputs])
-    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"] * len(outputs), constants)
+    out_roles = ["written_back" if n in values["written_back"] and all(u.op == "output" for u in n.users if u not in inside)
+                 else "output" for n in outputs]
+    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, out_roles, constants)
     if "samples" in values:
         sub.samples = [[seen[i] for i in reads] for seen in values["samples"]]
     return sub, reads, outputs
+
+
+def _written_back(graph: CapturedGraph, outputs: list[fx.Node]) -> set[fx.Node]:
+    """Values that are outputs only as a state's new value (a KV cache's counter + 1)."""
+    regular = {n for n, role in zip(outputs, graph.output_roles) if role != "state_update"}
+    return {n for n, role in zip(outputs, graph.output_roles) if role == "state_update"} - regular
 
 
 def _sample_values(graph: CapturedGraph, inputs: list[torch.Tensor]) -> dict[fx.Node, object]:
@@ -161,7 +169,8 @@ class Program:
             plan = _plan(graph, delegates)
             self.declined = _declined(graph, plan.declined)
             if any(p.delegate != EAGER for p in plan.partitions):
-                values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs))}
+                values = {"index": {n: i for i, n in enumerate(placeholders)}, "tensor": dict(zip(placeholders, inputs)),
+                          "written_back": _written_back(graph, self._outputs)}
                 if any(getattr(d, "calibrates", False) for d in delegates):
                     values["samples"] = [_sample_values(graph, s) for s in (inputs, *(c + self.extra for c in calibration_sets))]
                 by_name = {d.name: d for d in delegates}
