@@ -10,6 +10,8 @@ Warm path per op: classify (dict) → encode arguments → one trie lookup → w
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sys
 import weakref
@@ -76,8 +78,17 @@ def copy_back(roots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     for the roots the program wrote in place (passes.state), whose value is the root itself."""
     pairs = [(r, v) for r, v in zip(roots, values) if r is not v]
     if pairs:
-        with torch.no_grad():
+        with no_grad():
             torch._foreach_copy_(*map(list, zip(*pairs)))
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def no_grad() -> contextlib.AbstractContextManager:
+    """`torch.no_grad()`, or nothing to enter when grad is off already (inference: entering it
+    costs 2 us, several times that right after a delegate's run has evicted the caches)."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NOTHING
 
 
 class Recorder:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
+from torchnative.capture.recorder import no_grad
 from torchnative.capture.trie import Node, Signature, build_graph
 from torchnative.delegates import Artifact, Delegate
 from torchnative.delegates.base import CompileOnly, in_clean_thread
@@ -263,7 +264,7 @@ class Program:
         if self.extra:
             inputs = inputs + self.extra
         try:
-            with torch.no_grad():
+            with no_grad():
                 if events.timing:
                     return self._run_steps(inputs, timed=True)
                 return self.run_fn(inputs)

@@ -20,7 +20,6 @@ the reason is counted in `stats()["replay_ineligible"]`.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -75,21 +74,38 @@ def object_state(x: Any, tensors: list | None = None, depth: int = 3, read: "Sna
         if tensors is not None:  # a tensor made under capture (a cache's lazy init) is a wrapper
             tensors.append(x._value if tp is LazyTensor and x._value is not None else x)
         if read is not None:
-            read.tensors.append((x, x.shape, x.stride(), x.dtype))
+            read.tensors.append(x)
         return ("T", id(x), x.shape, x.stride(), x.dtype)
     if depth == 0:
         return ("O", id(x))
     if tp is list or tp is tuple:
         if read is not None and tp is list:
-            read.containers.append((x, None, tuple(x)))
+            read.containers.append(x)
         return (tp.__name__, *[object_state(v, tensors, depth - 1, read) for v in x])
     fields = x if tp is dict else getattr(x, "__dict__", None)
     if fields is None:
         return ("O", id(x))
     if read is not None:
-        read.containers.append((fields, tuple(fields), tuple(fields.values())))
+        read.containers.append(fields)
     state = tuple((k, object_state(v, tensors, depth - 1, read)) for k, v in fields.items())
     return ("dict", *state) if tp is dict else (tp, id(x), *state)
+
+
+def _contents(containers: list) -> list:
+    """Each container's length, a dict's keys, and the identity of every item, in one list."""
+    out: list = []
+    for c in containers:
+        out.append(len(c))
+        if type(c) is dict:
+            out += c
+            out += map(id, c.values())
+        else:
+            out += map(id, c)
+    return out
+
+
+def _metadata(tensors: list[torch.Tensor]) -> tuple:
+    return [t.shape for t in tensors], [t.stride() for t in tensors], [t.dtype for t in tensors]
 
 
 class Snapshot:
@@ -97,26 +113,21 @@ class Snapshot:
     holds the same objects and every tensor has the same metadata, the state is the same, and
     checking that is a fraction of the walk (a StaticCache's state has 781 items; a decode step
     built it on every call). The state is returned as the same object, its hash computed once."""
-    __slots__ = ("obj", "containers", "tensors", "state", "_hash")
+    __slots__ = ("obj", "containers", "tensors", "state", "_hash", "_contents", "_items", "_meta")
 
     def __init__(self, obj: Any):
         self.obj = obj
-        self.containers: list[tuple] = []  # (list, None, its items) | (dict, its keys, its values)
-        self.tensors: list[tuple] = []     # (tensor, shape, stride, dtype)
+        self.containers: list[list | dict] = []  # the lists and field dicts the walk read
+        self.tensors: list[torch.Tensor] = []
         self.state = object_state(obj, read=self)
         self._hash = hash(self.state)
+        self._items = [list(c.values()) if type(c) is dict else list(c) for c in self.containers]  # keeps ids unique
+        self._contents = _contents(self.containers)
+        self._meta = _metadata(self.tensors)
 
     def holds(self, obj: Any) -> bool:
         """`obj` is this snapshot's object, unchanged."""
-        if obj is not self.obj:
-            return False
-        for container, keys, items in self.containers:
-            if keys is None:  # a list
-                if len(container) != len(items) or not all(map(operator.is_, container, items)):
-                    return False
-            elif tuple(container) != keys or not all(map(operator.is_, container.values(), items)):
-                return False
-        return all(t.shape == shape and t.stride() == stride and t.dtype is dtype for t, shape, stride, dtype in self.tensors)
+        return obj is self.obj and _contents(self.containers) == self._contents and _metadata(self.tensors) == self._meta
 
     def __hash__(self) -> int:
         return self._hash
