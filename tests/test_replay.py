@@ -30,7 +30,9 @@ def test_stable_forward_replays_with_eager_outputs(name, delegates):
     out = _calls(model, inputs)
     key = "logits" if "logits" in ref[0] else "last_hidden_state"
     for o, r in zip(out, ref):
-        assert type(o) is type(r)
+        assert type(o) is type(r) and o.keys() == r.keys() and vars(o).keys() == vars(r).keys()
+        assert all((v is None) == (vars(r)[k] is None) for k, v in vars(o).items())
+        assert o.to_tuple()[0] is o[key] is getattr(o, key)
         assert_same(o[key], r[key], rtol=1e-4, atol=1e-5)
     s = torchnative.stats()
     assert s["replays"] == 2, s
@@ -211,3 +213,38 @@ def test_argument_object_state_is_reused_only_while_unchanged():
         after = guard_key(model, leaves, spec, snapshots)
         assert after != before, what
         assert after == guard_key(model, leaves, spec, {}), what
+
+
+def test_outputs_are_rebuilt_as_unflattening_builds_them():
+    """A flat ModelOutput is rebuilt by setting its items and attributes; one whose __post_init__
+    derives an attribute is unflattened by pytree, as any other structure."""
+    from dataclasses import dataclass
+
+    from torch.utils import _pytree as pytree
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import ModelOutput
+
+    from torchnative.runtime.replay import _builder
+
+    @dataclass
+    class Derived(ModelOutput):
+        logits: torch.Tensor | None = None
+        extra: torch.Tensor | None = None
+
+        def __post_init__(self):
+            super().__post_init__()
+            self.total = self.logits.sum()
+
+    for example in (CausalLMOutputWithPast(logits=torch.ones(2), past_key_values=object()), Derived(logits=torch.ones(2)),
+                    (torch.ones(1), {"a": torch.ones(2)})):
+        leaves, spec = pytree.tree_flatten(example)
+        build = _builder(spec, leaves, pytree.tree_unflatten(leaves, spec))
+        new = [torch.randn(2) if isinstance(x, torch.Tensor) else x for x in leaves]
+        got, want = build(new), pytree.tree_unflatten(new, spec)
+        assert type(got) is type(want)
+        if isinstance(want, ModelOutput):
+            assert list(got.keys()) == list(want.keys()) and all(a is b for a, b in zip(got.values(), want.values()))
+            assert vars(got).keys() == vars(want).keys()
+            assert got.logits is got[0] is new[0]
+        if isinstance(want, Derived):
+            assert torch.equal(got.total, new[0].sum())
