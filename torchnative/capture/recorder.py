@@ -11,7 +11,6 @@ Warm path per op: classify (dict) → encode arguments → one trie lookup → w
 from __future__ import annotations
 
 import contextlib
-
 import os
 import sys
 import weakref

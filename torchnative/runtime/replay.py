@@ -138,6 +138,7 @@ class Snapshot:
 
 
 _SPECS: dict[tuple, Any] = {}
+_KNOWN: dict[int, tuple[bool, tuple]] = {}  # id(a spec in _SPECS) -> (_plain(spec), a key that stands for it)
 
 
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
@@ -152,6 +153,7 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
     spec = _SPECS.get(key)
     if spec is None:
         spec = _SPECS[key] = pytree.tree_flatten((args, kwargs))[1]
+        _KNOWN[id(spec)] = (_plain(spec), key)  # a TreeSpec's hash is a Python walk: the key's is not
     return leaves, spec
 
 
@@ -159,7 +161,8 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
     """What a trace is valid for, from the call's flattened arguments: tensor metadata, scalar
     values, other objects' identity and Python state (see `object_state`). `snapshots`: the last
     object seen at each argument position, whose state is reused while it holds."""
-    if not _plain(spec):
+    plain, stands_for = _KNOWN.get(id(spec)) or (_plain(spec), spec)
+    if not plain:
         return None
     described = []
     for i, x in enumerate(leaves):
@@ -178,7 +181,7 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
                 if snapshots is not None:
                     snapshots[i] = snap
             described.append(snap)
-    return (spec, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
+    return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
 def _resolve(src: tuple, leaves: list, produced: list) -> Any:
