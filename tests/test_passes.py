@@ -6,6 +6,7 @@ import torch
 
 import torchnative
 from torchnative import events
+from torchnative.runtime.program import CapturedOpError
 from tests.conftest import record
 
 aten = torch.ops.aten
@@ -167,6 +168,22 @@ def test_cache_slice_write_becomes_one_in_place_update(variant):
         assert program.steps[0].graph.output_roles.count("written_back") == 1
     else:  # the old cache is read as well, or the write adds: a whole new value, copied back
         assert writes == 0
+
+
+def test_a_program_given_a_list_of_another_length_says_so():
+    """A program finds each value by its position: a longer list (inputs with the constants a pass
+    made already appended) is an error naming both lengths, not values taken from wrong places."""
+    model = CacheWrite()
+    torchnative.accelerate(model, delegates=["ort"], replay=False)
+    try:
+        with torch.no_grad(), record(events.ProgramBuilt) as built:
+            _stream(model)
+    finally:
+        torchnative.deaccelerate(model)
+    program = built[-1].program
+    inputs = [torch.zeros(1)] * (len(program.graph.input_roles) - len(program.extra) + 1)
+    with pytest.raises(CapturedOpError, match=f"a program of {len(inputs) - 1} inputs was given {len(inputs)}"):
+        program(inputs)
 
 
 def test_kquant_weights_become_dequantized_constants_carrying_their_blocks():

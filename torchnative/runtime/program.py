@@ -240,6 +240,9 @@ class Program:
         return step
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
+        if len(inputs) != len(self._placeholders):  # values are found by position: a list of another length misplaces all
+            raise ValueError(f"a program of {len(self._placeholders) - len(self.extra)} inputs was given "
+                             f"{len(inputs) - len(self.extra)}")
         values = list(inputs)
         for i, step in enumerate(self.steps):
             started = time.perf_counter() if timed else 0.0
