@@ -55,6 +55,8 @@ class Artifact:
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
+# inputs -> outputs, new tensors; an output the graph marks "written_back" (ir.OutputRole) may be
+# a buffer the runner reuses on every call: the caller copies it out before the next call
 Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
