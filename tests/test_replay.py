@@ -170,7 +170,7 @@ def test_call_flattening_is_pytrees():
     from torch.utils import _pytree as pytree
     from transformers.modeling_outputs import BaseModelOutput
 
-    from torchnative.runtime.replay import flatten_call
+    from torchnative.runtime.guard import flatten_call
     t, cache = torch.ones(2), object()
     calls = [((t,), {}), ((t, None, 3), {"a": t, "b": cache}), ((), {"b": cache, "a": t}),
              (([t, t],), {}), ((t,), {"x": {"y": t}}), ((BaseModelOutput(last_hidden_state=t),), {})]
@@ -185,7 +185,7 @@ def test_argument_object_state_is_reused_only_while_unchanged():
     """The guard reuses an argument object's state while its snapshot holds; every change the
     full walk sees (a field, a list, a tensor replaced or reshaped in place) gives a new key,
     equal to the one a fresh walk gives."""
-    from torchnative.runtime.replay import flatten_call, guard_key
+    from torchnative.runtime.guard import flatten_call, guard_key
 
     class Layer:
         def __init__(self):

@@ -26,7 +26,8 @@ from torchnative.passes.quantize import KQUANTS, SCHEMES
 from torchnative.runtime import calibration as _calibration
 from torchnative.runtime import disk_cache
 from torchnative.runtime.program import CapturedOpError
-from torchnative.runtime.replay import Replayer, Tracer, flatten_call, guard_key
+from torchnative.runtime.guard import flatten_call, guard_key
+from torchnative.runtime.replay import Replayer, Tracer
 from torchnative.runtime.session import real_outputs, session
 from torchnative.shim import LazyTensor, current_handler
 

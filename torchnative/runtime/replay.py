@@ -11,7 +11,7 @@ checked against the recorded one, and a mismatch (Python would have branched dif
 changed weight, or a re-registered parameter anywhere falls back to recording the call — the
 programs run so far wrote nothing, so running the call again is safe.
 
-An argument object (a StaticCache) is guarded by identity and Python state (`object_state`); a
+An argument object (a StaticCache) is guarded by identity and Python state (runtime/guard.py); a
 call that changes that state is ineligible; the tensors it reaches are read and, by the last
 program, written back as the recording did. Anything else Python did with tensor data (a random
 op, an eager fallback op, `.tolist()`, a tensor made from Python data) makes the call ineligible;
@@ -30,11 +30,10 @@ from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.capture.recorder import copy_back
-from torchnative.shim import LazyTensor
+from torchnative.runtime.guard import SCALARS, Snapshot, is_plain, object_state
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 # Bumped whenever any module (re)registers a parameter or buffer: a replayed trace holds the old
 # tensors, so it must not outlive them.
@@ -52,136 +51,6 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
 
 class Ineligible(Exception):
     """This call cannot be described by a trace; the message says why."""
-
-
-def _plain(spec: Any, outputs: bool = False) -> bool:
-    """Only plain containers (and, for outputs, transformers' ModelOutput dataclasses): any other
-    pytree-registered object, such as a KV cache, has state that Python updates."""
-    if spec.is_leaf():
-        return True
-    ok = spec.type in (tuple, list, dict) or (
-        outputs and issubclass(spec.type, OrderedDict) and dataclasses.is_dataclass(spec.type))
-    return ok and all(_plain(c, outputs) for c in spec.children())
-
-
-def object_state(x: Any, tensors: list | None = None, depth: int = 3, read: "Snapshot | None" = None) -> Any:
-    """An argument object's Python state (a KV cache: its layers, their tensors and counters):
-    scalars by value, tensors by identity and metadata (and collected into `tensors`), deeper
-    objects by identity. `read` is told what the walk looked at."""
-    tp = type(x)
-    if tp in _SCALARS:  # first: most fields are; isinstance of torch.Tensor costs a metaclass call
-        return x
-    if tp is torch.Tensor or isinstance(x, torch.Tensor):
-        if tensors is not None:  # a tensor made under capture (a cache's lazy init) is a wrapper
-            tensors.append(x._value if tp is LazyTensor and x._value is not None else x)
-        if read is not None:
-            read.tensors.append(x)
-        return ("T", id(x), x.shape, x.stride(), x.dtype)
-    if depth == 0:
-        return ("O", id(x))
-    if tp is list or tp is tuple:
-        if read is not None and tp is list:
-            read.containers.append(x)
-        return (tp.__name__, *[object_state(v, tensors, depth - 1, read) for v in x])
-    fields = x if tp is dict else getattr(x, "__dict__", None)
-    if fields is None:
-        return ("O", id(x))
-    if read is not None:
-        read.containers.append(fields)
-    state = tuple((k, object_state(v, tensors, depth - 1, read)) for k, v in fields.items())
-    return ("dict", *state) if tp is dict else (tp, id(x), *state)
-
-
-def _contents(containers: list) -> list:
-    """Each container's length, a dict's keys, and the identity of every item, in one list."""
-    out: list = []
-    for c in containers:
-        out.append(len(c))
-        if type(c) is dict:
-            out += c
-            out += map(id, c.values())
-        else:
-            out += map(id, c)
-    return out
-
-
-def _metadata(tensors: list[torch.Tensor]) -> tuple:
-    return [t.shape for t in tensors], [t.stride() for t in tensors], [t.dtype for t in tensors]
-
-
-class Snapshot:
-    """An argument object's state (`object_state`) and what its walk read: while every container
-    holds the same objects and every tensor has the same metadata, the state is the same, and
-    checking that is a fraction of the walk (a StaticCache's state has 781 items; a decode step
-    built it on every call). The state is returned as the same object, its hash computed once."""
-    __slots__ = ("obj", "containers", "tensors", "state", "_hash", "_contents", "_items", "_meta")
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-        self.containers: list[list | dict] = []  # the lists and field dicts the walk read
-        self.tensors: list[torch.Tensor] = []
-        self.state = object_state(obj, read=self)
-        self._hash = hash(self.state)
-        self._items = [list(c.values()) if type(c) is dict else list(c) for c in self.containers]  # keeps ids unique
-        self._contents = _contents(self.containers)
-        self._meta = _metadata(self.tensors)
-
-    def holds(self, obj: Any) -> bool:
-        """`obj` is this snapshot's object, unchanged."""
-        return obj is self.obj and _contents(self.containers) == self._contents and _metadata(self.tensors) == self._meta
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (type(other) is Snapshot and self._hash == other._hash and self.state == other.state)
-
-
-_SPECS: dict[tuple, Any] = {}
-_KNOWN: dict[int, tuple[bool, tuple]] = {}  # id(a spec in _SPECS) -> (_plain(spec), a key that stands for it)
-
-
-def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
-    """`pytree.tree_flatten((args, kwargs))`, without its walk when no argument is a container (a
-    decode step's tensors, scalars and cache object): the structure is then the number of
-    arguments and the keywords' names alone (the walk took 0.1 ms of a call after an idle gap)."""
-    leaves = [*args, *kwargs.values()]
-    for x in leaves:
-        if isinstance(x, (tuple, list, dict)) or type(x) in pytree.SUPPORTED_NODES:
-            return pytree.tree_flatten((args, kwargs))
-    key = (len(args), tuple(kwargs))
-    spec = _SPECS.get(key)
-    if spec is None:
-        spec = _SPECS[key] = pytree.tree_flatten((args, kwargs))[1]
-        _KNOWN[id(spec)] = (_plain(spec), key)  # a TreeSpec's hash is a Python walk: the key's is not
-    return leaves, spec
-
-
-def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict | None = None) -> tuple | None:
-    """What a trace is valid for, from the call's flattened arguments: tensor metadata, scalar
-    values, other objects' identity and Python state (see `object_state`). `snapshots`: the last
-    object seen at each argument position, whose state is reused while it holds."""
-    plain, stands_for = _KNOWN.get(id(spec)) or (_plain(spec), spec)
-    if not plain:
-        return None
-    described = []
-    for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor):
-            if type(x) is not torch.Tensor:
-                return None
-            described.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad))
-        elif type(x) in _SCALARS:
-            described.append((type(x), x))
-        elif isinstance(x, torch.nn.Module):
-            return None  # its parameters are not this module's weights: no guard covers them
-        else:
-            snap = snapshots.get(i) if snapshots is not None else None
-            if snap is None or not snap.holds(x):
-                snap = Snapshot(x)
-                if snapshots is not None:
-                    snapshots[i] = snap
-            described.append(snap)
-    return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
 def _resolve(src: tuple, leaves: list, produced: list) -> Any:
@@ -351,7 +220,7 @@ class Tracer:
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 known(x, ("arg", i))
-            elif type(x) not in _SCALARS:  # an object argument (a cache): its tensors, as they are
+            elif type(x) not in SCALARS:  # an object argument (a cache): its tensors, as they are
                 where[id(x)] = ("arg", i)
                 reached: list = []
                 object_state(x, reached)
@@ -363,7 +232,7 @@ class Tracer:
             if s is not None:
                 return s
             if not isinstance(x, torch.Tensor):
-                if type(x) in _SCALARS:
+                if type(x) in SCALARS:
                     return ("py", x)
                 raise Ineligible(f"the output holds a {type(x).__name__}")
             if weights(x) or not x.numel():  # an empty tensor has no data to differ
@@ -393,7 +262,7 @@ class Tracer:
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
         outputs, spec = pytree.tree_flatten(out)
-        if not _plain(spec, outputs=True):
+        if not is_plain(spec, outputs=True):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
         return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, _registrations)
 
