@@ -164,6 +164,38 @@ def test_argument_object_whose_python_state_changes_is_not_replayed():
     assert torchnative.stats()["replay_ineligible"]
 
 
+def test_traces_of_argument_objects_no_longer_passed_are_let_go():
+    """A model given a new cache object on every call keeps a bounded number of traces: the old
+    objects (and the tensors their traces hold) can be freed."""
+    import gc
+    import weakref
+
+    class Cache:
+        def __init__(self):
+            self.keys = torch.zeros(4, 8)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, cache):
+            return self.proj(x) + cache.keys.sum(0)
+
+    model = torchnative.accelerate(Model(), delegates=["eager"])
+    x, first = torch.ones(8), None
+    with torch.no_grad():
+        for _ in range(40):
+            cache = Cache()
+            first = first or weakref.ref(cache.keys)
+            for _ in range(3):  # learned, then replayed
+                assert_same(model(x, cache), model.__dict__["_torchnative_original_forward"](x, cache))
+            del cache
+    gc.collect()
+    assert first() is None
+    assert torchnative.stats()["replays"] > 0
+
+
 def test_call_flattening_is_pytrees():
     """The shortcut for argument lists without containers gives pytree's leaves and structure;
     containers (and registered types) still go through pytree."""

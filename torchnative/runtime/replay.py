@@ -273,6 +273,9 @@ class _Entry:
     seen: int = 1
 
 
+_KEEP = 16  # traces kept per module: a loop that makes a new cache object per call must not keep them all
+
+
 class Replayer:
     """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
 
@@ -312,3 +315,5 @@ class Replayer:
             entry.trace = trace
         else:
             self.entries[key] = _Entry(trace)
+            if len(self.entries) > _KEEP:  # the oldest: a trace holds its argument objects' tensors (a KV cache)
+                del self.entries[next(iter(self.entries))]
