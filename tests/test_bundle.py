@@ -15,8 +15,8 @@ import torchnative
 from torchnative import cli, models
 from torchnative.bundle import BundleError
 from torchnative.delegates import xnnpack
-from torchnative.delegates.base import Availability
-from torchnative.runtime import disk_cache
+from torchnative.interface import Availability
+from torchnative import store
 from torchnative.runtime.program import clear_caches
 
 ARCHS = ["GPT2LMHeadModel", "BertModel", "ViTModel", "ResNetModel"]
@@ -253,10 +253,10 @@ def test_inspect_a_bundle_shows_partitions_and_finds_a_tampered_file(good, copy,
 # -- the disk cache ---------------------------------------------------------------------------------
 @pytest.fixture
 def cache_dir(tmp_path):
-    disk_cache.set_directory(tmp_path / "cache")
+    store.set_directory(tmp_path / "cache")
     clear_caches()
     yield tmp_path / "cache"
-    disk_cache.set_directory(None)
+    store.set_directory(None)
     clear_caches()
 
 

@@ -12,7 +12,7 @@ import torchnative
 from tests.conftest import assert_same, record
 from torchnative.delegates import REGISTRY
 from torchnative import models
-from torchnative.delegates.base import YES, Availability
+from torchnative.interface import YES, Availability
 
 SWEEP = Path(__file__).with_name("opinfo_sweep.py")
 # Quantized variants are inexact by design: tests/test_candle.py checks them against float32 with

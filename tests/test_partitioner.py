@@ -4,7 +4,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Support
+from torchnative.interface import YES, Support
 from torchnative.partitioner import partition
 from torchnative.partitioner.partition import _IN_PLACE
 

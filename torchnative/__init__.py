@@ -14,7 +14,8 @@ import torch
 from torchnative import events
 from torchnative.bundle import Bundle, BundleError
 from torchnative.bundle import load as _load
-from torchnative.delegates import REGISTRY, Availability
+from torchnative.delegates import REGISTRY
+from torchnative.interface import Availability
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
 from torchnative.inspector.profile import Profile, ProfileError
@@ -24,7 +25,7 @@ from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
 from torchnative.passes.quantize import KQUANTS, SCHEMES
 from torchnative.runtime import calibration as _calibration
-from torchnative.runtime import disk_cache
+from torchnative import store
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.guard import flatten_call, guard_key
 from torchnative.runtime.replay import Replayer, Tracer
@@ -221,4 +222,4 @@ def set_cache_dir(path: str | None) -> None:
     $TORCHNATIVE_CACHE_DIR, else $XDG_CACHE_HOME/torchnative or ~/.cache/torchnative); None turns
     the disk cache off. Entries are keyed by graph, delegate, toolchain versions and baked weights;
     a corrupt entry is rebuilt."""
-    disk_cache.set_directory(path)
+    store.set_directory(path)

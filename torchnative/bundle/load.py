@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from torchnative.bundle.format import BundleError, Reader
-from torchnative.delegates import REGISTRY, Artifact
+from torchnative.delegates import REGISTRY
+from torchnative.interface import Artifact
 from torchnative.delegates.eager import delegate as eager
 
 

@@ -14,15 +14,13 @@ import torch.fx as fx
 
 from torchnative.bundle.build import Compiled
 from torchnative.bundle.format import SCHEMA, WEIGHTS, BundleError, sha256, write
-from torchnative.delegates import toolchain
+from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.passes import pin
 from torchnative.runtime import replay
 from torchnative.runtime.program import Program, Step
-
-_EXTENSION = {"ort": "onnx", "qnn": "onnx", "xnnpack": "pte", "coreml": "mlpackage.zip", "eager": "pt2"}
-
+from torchnative.toolchain import versions
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
@@ -111,7 +109,7 @@ class _Writer:
         return record
 
     def file(self, stem: str, delegate: str, payload: bytes) -> dict:
-        path = f"partitions/{stem}_{delegate}.{_EXTENSION.get(delegate, 'bin')}"
+        path = f"partitions/{stem}_{delegate}.{REGISTRY[delegate].extension}"
         self.files[path] = payload
         return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
 
@@ -145,7 +143,7 @@ class _Writer:
         delegates = {p["delegate"] for g in programs for p in g["partitions"]}
         manifest = {
             "schema": SCHEMA, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "toolchain": toolchain(delegates),
+            "toolchain": versions(p for d in delegates for p in REGISTRY[d].toolchain),
             "inputs": [{"name": n, **_spec(t), **_range(t)} for n, t in self.compiled.inputs.items()],
             "outputs": outputs,
             "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),

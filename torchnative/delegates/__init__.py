@@ -1,15 +1,12 @@
-"""Delegates: one module per target, each with one `delegate` (see base.Delegate)."""
+"""Delegates: one module per target, each with its `Delegate` instances (torchnative.interface)."""
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.metadata
 import warnings
-from pathlib import Path
 from typing import Sequence
 
 from torchnative.delegates import candle, coreml, eager, iree, ort, qnn, xnnpack
-from torchnative.delegates.base import Artifact, Availability, CompileOnly, Delegate, Support
+from torchnative.interface import Delegate
 
 REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, iree.vulkan, iree.cpu,
                                                      candle.delegate,
@@ -17,35 +14,6 @@ REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.deleg
 # The fastest correct order measured here (benchmarks/models.py): ONNX Runtime led on every
 # workload; XNNPACK trailed it and takes fewer ops; candle is for quantized weights, by request.
 DEFAULT: tuple[str, ...] = ("ort",)
-
-
-# the packages each delegate's artifacts are made and run with (bundle manifests, disk cache keys)
-_TOOLCHAIN = {"eager": ("torch",), "ort": ("onnxruntime", "onnx", "onnxscript"),
-              "qnn": ("onnxruntime", "onnxruntime-qnn", "onnx", "onnxscript"), "xnnpack": ("executorch",), "coreml": ("coremltools",),
-              "vulkan": ("iree-base-compiler", "iree-base-runtime"), "iree-cpu": ("iree-base-compiler", "iree-base-runtime"),
-              "candle": ("candle-nn",), "candle-q8_0": ("candle-nn",), "candle-q4k": ("candle-nn",)}
-
-
-@functools.cache
-def _source_hash() -> str:
-    """torchnative's own code: a changed delegate or pass makes every cached artifact stale, even
-    in a development tree whose version number has not moved."""
-    h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def toolchain(delegates: set[str]) -> dict[str, str]:
-    """Installed versions of torchnative (with a hash of its code), torch and the packages of `delegates`."""
-    names = {"torch"} | {p for d in delegates for p in _TOOLCHAIN.get(d, ())}
-    found = {"torchnative": f"{importlib.metadata.version('torchnative')}+{_source_hash()}"}
-    for name in sorted(names):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
 
 
 def resolve(names: Sequence[str] | None) -> tuple[Delegate, ...]:
@@ -87,4 +55,4 @@ def _default() -> tuple[str, ...]:
     return tuple(usable)
 
 
-__all__ = ["Artifact", "Availability", "CompileOnly", "Delegate", "Support", "REGISTRY", "DEFAULT", "resolve", "toolchain"]
+__all__ = ["REGISTRY", "DEFAULT", "resolve"]

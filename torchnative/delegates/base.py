@@ -1,37 +1,13 @@
-"""The delegate interface (DESIGN.md §5): small, like a device in tinygrad or a backend in
-ExecuTorch. Each delegate module provides one `Delegate` instance."""
+"""What delegates share beyond the contract (`torchnative.interface`): the tensors a node touches,
+and the thread compiles run on."""
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-
-from torchnative.ir import CapturedGraph
-
-Status = Literal["executes", "compile-only", "unavailable"]
-
-
-@dataclass(frozen=True)
-class Availability:
-    status: Status
-    reason: str = ""          # why not fully usable here
-    install_hint: str = ""    # what to run to make it usable
-
-
-@dataclass(frozen=True)
-class Support:
-    ok: bool
-    reason: str = ""          # why not, when not
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-YES = Support(True)
 
 
 def tensors(node: fx.Node):
@@ -41,45 +17,6 @@ def tensors(node: fx.Node):
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
             if isinstance(t, torch.Tensor):
                 yield t
-
-
-@dataclass
-class Artifact:
-    """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate
-    whose payload names weights instead of holding them (`external_weights`) lists them in
-    `constants`; whoever stores the payload (a bundle, the disk cache) stores or finds those
-    separately and hands them back to `load`."""
-    delegate: str
-    payload: bytes
-    meta: dict = field(default_factory=dict)    # JSON-serializable, except the in-memory-only eager/candle
-    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-
-
-# inputs -> outputs, new tensors; an output the graph marks "written_back" (ir.OutputRole) may be
-# a buffer the runner reuses on every call: the caller copies it out before the next call
-Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-
-
-class CompileOnly(RuntimeError):
-    """`load` of a delegate whose artifacts are built here but run elsewhere (Core ML on Linux):
-    the partition keeps its artifact (a bundle ships it) and runs on eager here, with this reason."""
-
-
-class Delegate(Protocol):
-    name: str
-    external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)
-    composites: frozenset[str]  # fusions (passes.fuse.COMPOSITES) it maps to one kernel, applied before compile
-    # runs the state updates of passes.state (aten.index_put_ of a state input) on the caller's
-    # tensor itself; the partitioner leaves them to eager for a delegate that does not
-    writes_in_place: bool
-
-    def available(self) -> Availability: ...
-
-    def supports(self, node: fx.Node) -> Support: ...
-
-    def compile(self, graph: CapturedGraph) -> Artifact: ...
-
-    def load(self, artifact: Artifact) -> Runner: ...
 
 
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")

@@ -24,7 +24,8 @@ try:
 except ImportError:  # available() says so, with the install hint
     candle = None
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, tensors
+from torchnative.delegates.base import tensors
+from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 
 _VERSION = "0.4.2"
@@ -597,6 +598,9 @@ class Candle:
     external_weights = False
     writes_in_place = False
     composites: frozenset[str] = frozenset()
+    toolchain = ("candle-nn",)
+    extension = "bin"
+    calibrates = False
 
     def __init__(self, name: str, quant: str | None = None):
         self.name, self.quant = name, quant

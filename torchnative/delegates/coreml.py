@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, CompileOnly, Runner, Support, tensors
+from torchnative.delegates.base import tensors
+from torchnative.interface import Artifact, Availability, CompileOnly, Runner, Support
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
 
@@ -135,6 +136,9 @@ class CoreML:
     external_weights = False
     writes_in_place = False
     composites: frozenset[str] = frozenset()
+    toolchain = ("coremltools",)
+    extension = "mlpackage.zip"
+    calibrates = False
 
     def __init__(self, precision: str = "float16", compress: str | None = None):
         if precision not in PRECISIONS:
@@ -142,7 +146,7 @@ class CoreML:
         if compress not in COMPRESSIONS:
             raise ValueError(f"unknown Core ML weight compression {compress!r}; choose one of {COMPRESSIONS}")
         self.precision, self.compress = precision, compress
-        self._probe = Probe(self.name, "coreml-ops", "Core ML", self._convert)
+        self._probe = Probe(self, "coreml-ops", "Core ML", self._convert)
 
     def available(self) -> Availability:
         if importlib.util.find_spec("coremltools") is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 
 
@@ -12,6 +12,9 @@ class Eager:
     external_weights = False
     writes_in_place = True  # it runs the graph as code: index_put_ writes the caller's tensor
     composites: frozenset[str] = frozenset()
+    toolchain = ("torch",)
+    extension = "pt2"
+    calibrates = False
 
     def available(self) -> Availability:
         return Availability("executes")

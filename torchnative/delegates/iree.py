@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, Runner, Support, tensors
+from torchnative.delegates.base import tensors
+from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
 
@@ -134,12 +135,15 @@ class Iree:
     external_weights = True  # weights are arguments, uploaded once at load
     writes_in_place = False
     composites: frozenset[str] = frozenset()
+    toolchain = ("iree-base-compiler", "iree-base-runtime")
+    extension = "bin"
+    calibrates = False
 
     def __init__(self, name: str, backend: str, driver: str, flags: tuple[str, ...] = (), decompose: tuple[str, ...] = ()):
         """`decompose`: ops this target's code generation lacks, besides BatchNorm's."""
         self.name, self.backend, self.driver, self.flags = name, backend, driver, flags
         self.decompose = _BATCH_NORM + decompose
-        self._probe = Probe(name, f"{name}-ops", f"IREE ({backend})", self._try)
+        self._probe = Probe(self, f"{name}-ops", f"IREE ({backend})", self._try)
 
     def available(self) -> Availability:
         missing = [m for m in ("iree.compiler", "iree.runtime") if importlib.util.find_spec(m.split(".")[0]) is None

@@ -13,7 +13,8 @@ import warnings
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support, tensors
+from torchnative.delegates.base import tensors
+from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 from torchnative.passes.fuse import COMPOSITES, gelu_tanh_op, rms_norm_op, rope_op
 from torchnative.passes.state import SLICE_UPDATE
@@ -171,6 +172,9 @@ class OnnxRuntime:
     external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
     writes_in_place = True  # a state update's output is bound to the state's buffer (_writing_runner)
     composites = frozenset(COMPOSITES) - {"gelu_tanh"}  # its optimizer fuses GELU's tanh pattern itself
+    toolchain = ("onnxruntime", "onnx", "onnxscript")
+    extension = "onnx"
+    calibrates = False
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]

@@ -10,8 +10,11 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Support, in_clean_thread
+from torchnative.delegates.base import in_clean_thread
+from torchnative import store
+from torchnative.interface import YES, Delegate, Support
 from torchnative.ir import CapturedGraph
+from torchnative.toolchain import fingerprint
 
 
 def signature(node: fx.Node) -> str:
@@ -81,8 +84,9 @@ class Probe:
     """`probe(node)`: does `trial` (compile, maybe run) succeed on the node alone? `backend` names
     the compiler in the reason given when it does not."""
 
-    def __init__(self, delegate: str, table: str, backend: str, trial: Callable[[CapturedGraph], None]):
-        self.delegate, self.table, self.backend, self.trial = delegate, table, backend, trial
+    def __init__(self, delegate: Delegate, table: str, backend: str, trial: Callable[[CapturedGraph], None]):
+        self.table, self.backend, self.trial = table, backend, trial
+        self._fingerprint = lambda: fingerprint(tuple(sorted(delegate.toolchain)))
         self._verdicts: dict[str, Support] = {}
 
     def __call__(self, node: fx.Node) -> Support:
@@ -92,14 +96,12 @@ class Probe:
         return self._verdicts[key]
 
     def _cached(self, node: fx.Node, key: str) -> Support:
-        from torchnative.runtime import disk_cache
-
-        table = disk_cache.table(self.table, self.delegate)
+        table = store.table(self.table, self._fingerprint())
         if key in table:
             ok, reason = table[key]
             return Support(ok, reason)
         verdict = self._try(node)
-        disk_cache.remember(self.table, self.delegate, key, [verdict.ok, verdict.reason])
+        store.remember(self.table, self._fingerprint(), key, [verdict.ok, verdict.reason])
         return verdict
 
     def _try(self, node: fx.Node) -> Support:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import Artifact, Availability, Runner, Support
+from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
 from torchnative.delegates.ort import to_onnx
@@ -80,10 +80,12 @@ class Qnn:
     writes_in_place = False
     composites: frozenset[str] = frozenset()
     calibrates = True  # wants graph.samples: activation ranges come from real values
+    toolchain = ("onnxruntime", "onnxruntime-qnn", "onnx", "onnxscript")
+    extension = "onnx"
 
     def __init__(self, activations: str = "uint16", weights: str = "int8"):
         self.activations, self.weights = activations, weights
-        self._probe = Probe(self.name, "qnn-ops", "HTP", lambda alone: _try_on_htp(self, alone))
+        self._probe = Probe(self, "qnn-ops", "HTP", lambda alone: _try_on_htp(self, alone))
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxruntime_qnn", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]

@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import YES, Artifact, Availability, Runner, Support
+from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 
 _HINT = "pip install executorch==1.5.1"
@@ -61,6 +61,9 @@ class Xnnpack:
     external_weights = False
     writes_in_place = False
     composites: frozenset[str] = frozenset()
+    toolchain = ("executorch",)
+    extension = "pte"
+    calibrates = False
 
     def available(self) -> Availability:
         if importlib.util.find_spec("executorch") is None:

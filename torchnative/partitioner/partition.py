@@ -13,7 +13,7 @@ from typing import Sequence
 import networkx as nx
 import torch.fx as fx
 
-from torchnative.delegates.base import Delegate, Support
+from torchnative.interface import Delegate, Support
 
 EAGER = "eager"
 

@@ -9,57 +9,30 @@ or whose artifact fails to load, is deleted and rebuilt, never trusted.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import os
-import tempfile
-from pathlib import Path
 from typing import Sequence
 
 import torch
 import torch.fx as fx
 
-from torchnative import events
-from torchnative.delegates import toolchain
-from torchnative.delegates.base import Artifact, Delegate
+from torchnative import store
+from torchnative.interface import Artifact, Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import Partition, Plan
+from torchnative.toolchain import fingerprint
 
 _FORMAT = 1
-_dir: Path | None | bool = True  # True: not chosen yet (environment or XDG default); None: off
 
 
-def default_dir() -> Path | None:
-    """$TORCHNATIVE_CACHE_DIR ("off" disables), else $XDG_CACHE_HOME/torchnative, else ~/.cache/torchnative."""
-    chosen = os.environ.get("TORCHNATIVE_CACHE_DIR")
-    if chosen is not None:
-        return None if chosen in ("", "off", "0") else Path(chosen)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchnative"
-
-
-def directory() -> Path | None:
-    global _dir
-    if _dir is True:
-        _dir = default_dir()
-    return _dir
-
-
-def set_directory(path: str | os.PathLike | None) -> None:
-    """Where compiled partitions are kept across processes; None turns the disk cache off."""
-    global _dir
-    _dir = Path(path) if path is not None else None
-
-
-@functools.cache
-def _toolchain(*delegates: str) -> str:
-    return json.dumps(toolchain(set(delegates)), sort_keys=True)
+def _toolchain(*delegates: Delegate) -> str:
+    return fingerprint(tuple(sorted({p for d in delegates for p in d.toolchain})))
 
 
 def key(delegate: Delegate, graph: CapturedGraph) -> str:
     """Graph, delegate, toolchain, the baked weights' values unless the artifact holds none, and
     the calibration samples of a delegate that calibrates."""
-    h = hashlib.sha256(f"{_FORMAT}\0{delegate.name}\0{graph.key}\0{_toolchain(delegate.name)}".encode())
+    h = hashlib.sha256(f"{_FORMAT}\0{delegate.name}\0{graph.key}\0{_toolchain(delegate)}".encode())
     for name in sorted(graph.constants):
         t = graph.constants[name]
         h.update(f"\0{name}{t.dtype}{tuple(t.shape)}".encode())
@@ -77,13 +50,9 @@ def _bytes(t: torch.Tensor):
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _count(what: str) -> None:
-    events.STATS.disk_cache[what] += 1
-
-
 def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifact | None:
     """The stored artifact, its external weights taken from `constants` (the graph's)."""
-    folder = directory()
+    folder = store.directory()
     if folder is None:
         return None
     path = folder / f"{entry}.entry"
@@ -92,7 +61,7 @@ def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifa
             header = json.loads(f.readline())
             payload = f.read()
     except FileNotFoundError:
-        _count("misses")
+        store.count("misses")
         return None
     except (OSError, ValueError):
         header, payload = None, b""
@@ -100,60 +69,36 @@ def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifa
             or hashlib.sha256(payload).hexdigest() != header.get("sha256")):
         discard(entry)
         return None
-    _count("hits")
+    store.count("hits")
     return Artifact(delegate, payload, header["meta"], constants)
 
 
 def discard(entry: str) -> None:
     """A corrupt entry (or one whose artifact failed to load): removed, to be rebuilt."""
-    _discard(f"{entry}.entry")
-
-
-def _discard(name: str) -> None:
-    _count("corrupt")
-    folder = directory()
-    if folder is not None:
-        (folder / name).unlink(missing_ok=True)
+    store.discard(f"{entry}.entry")
 
 
 def put(entry: str, artifact: Artifact) -> None:
-    folder = directory()
-    if folder is None:
+    if store.directory() is None:
         return
     try:
         header = json.dumps({"delegate": artifact.delegate, "meta": artifact.meta, "bytes": len(artifact.payload),
                              "sha256": hashlib.sha256(artifact.payload).hexdigest()})
     except TypeError:  # the delegate keeps Python objects in its artifacts (candle): memory only
-        _count("not cacheable")
+        store.count("not cacheable")
         return
-    _write(folder, f"{entry}.entry", header.encode() + b"\n" + artifact.payload)
-
-
-def _write(folder: Path, name: str, data: bytes) -> None:
-    """Whole or not at all: written beside, then renamed over (atomic on POSIX)."""
-    tmp = None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name[:16]}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, folder / name)
-        _count("writes")
-    except OSError as e:  # a full or read-only disk costs the next process a compile, nothing more
-        _count(f"write failed: {type(e).__name__}")
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+    store.write(f"{entry}.entry", header.encode() + b"\n" + artifact.payload)
 
 
 def plan_key(graph: CapturedGraph, delegates: Sequence[Delegate]) -> str:
     names = tuple(d.name for d in delegates)
-    return hashlib.sha256(f"{_FORMAT}\0plan\0{names}\0{graph.key}\0{_toolchain(*names)}".encode()).hexdigest()
+    return hashlib.sha256(f"{_FORMAT}\0plan\0{names}\0{graph.key}\0{_toolchain(*delegates)}".encode()).hexdigest()
 
 
 def get_plan(entry: str, graph: fx.Graph) -> Plan | None:
     """A partitioning stored by an earlier process: asking every delegate about every node again
     costs seconds (ONNX Runtime's translation table alone takes 1.7 s to build)."""
-    folder = directory()
+    folder = store.directory()
     if folder is None:
         return None
     try:
@@ -164,45 +109,13 @@ def get_plan(entry: str, graph: fx.Graph) -> Plan | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        _discard(f"{entry}.plan")
+        store.discard(f"{entry}.plan")
         return None
-    _count("plan hits")
+    store.count("plan hits")
     return plan
 
 
 def put_plan(entry: str, plan: Plan) -> None:
-    folder = directory()
-    if folder is None:
-        return
     text = json.dumps({"partitions": [(p.delegate, [n.name for n in p.nodes]) for p in plan.partitions],
                        "declined": plan.declined})
-    _write(folder, f"{entry}.plan", text.encode())
-
-
-_tables: dict[str, dict] = {}
-
-
-def table(name: str, delegate: str) -> dict:
-    """A small JSON table kept across processes (a delegate's answers about which ops it takes),
-    valid for the current toolchain of `delegate`."""
-    if name not in _tables:
-        _tables[name] = {}
-        folder = directory()
-        path = folder / _table_file(name, delegate) if folder is not None else None
-        if path is not None and path.exists():
-            try:
-                _tables[name] = json.loads(path.read_text())
-            except (OSError, ValueError):
-                _discard(path.name)
-    return _tables[name]
-
-
-def remember(name: str, delegate: str, key: str, value) -> None:
-    table(name, delegate)[key] = value
-    folder = directory()
-    if folder is not None:
-        _write(folder, _table_file(name, delegate), json.dumps(_tables[name]).encode())
-
-
-def _table_file(name: str, delegate: str) -> str:
-    return f"{name}-{hashlib.sha256(_toolchain(delegate).encode()).hexdigest()[:16]}.json"
+    store.write(f"{entry}.plan", text.encode())

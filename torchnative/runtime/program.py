@@ -14,14 +14,16 @@ import torch.fx as fx
 from torchnative import events
 from torchnative.capture.recorder import no_grad
 from torchnative.capture.trie import Node, Signature, build_graph
-from torchnative.delegates import Artifact, Delegate
-from torchnative.delegates.base import CompileOnly, in_clean_thread
+from torchnative.interface import Artifact, Delegate
+from torchnative.delegates.base import in_clean_thread
+from torchnative.interface import CompileOnly
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Partition, Plan, partition
 from torchnative.passes import prepare
 from torchnative.passes.fuse import fuse
 from torchnative.passes.pin import pin
+from torchnative import store
 from torchnative.runtime import calibration, disk_cache
 
 
@@ -108,7 +110,7 @@ def _eager_layout(value: torch.Tensor, shape: torch.Size, want: tuple) -> torch.
 
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
     """The partitioning, from the disk cache when an earlier process made it."""
-    entry = disk_cache.plan_key(graph, delegates) if disk_cache.directory() is not None else None
+    entry = disk_cache.plan_key(graph, delegates) if store.directory() is not None else None
     plan = disk_cache.get_plan(entry, graph.gm.graph) if entry else None
     if plan is None:
         plan = partition(graph.gm.graph, delegates)
@@ -120,7 +122,7 @@ def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
 def _build(delegate: Delegate, graph: CapturedGraph) -> tuple[Callable | None, str, Artifact]:
     """Load from the disk cache, else compile (and store); a cached artifact that fails to load is
     discarded and compiled again. The runner is None for a compile-only delegate, with its reason."""
-    entry = disk_cache.key(delegate, graph) if disk_cache.directory() is not None else None
+    entry = disk_cache.key(delegate, graph) if store.directory() is not None else None
     artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry else None
     if artifact is not None:
         try:

@@ -7,7 +7,8 @@ from typing import Any, Iterator, Sequence
 from torchnative import events
 from torchnative.capture.recorder import Recorder
 from torchnative.capture.trie import Node, Signature
-from torchnative.delegates import Delegate, resolve
+from torchnative.delegates import resolve
+from torchnative.interface import Delegate
 from torchnative.runtime.program import program_for
 from torchnative.runtime.replay import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler

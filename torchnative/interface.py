@@ -1,0 +1,76 @@
+"""The delegate contract (DESIGN.md §5): small, like a device in tinygrad or a backend in
+ExecuTorch. It sits left of the partitioner (which asks `supports`) and of the delegates (which
+implement it), so neither imports the other for it. Each delegate module provides `Delegate`
+instances."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Protocol
+
+import torch
+import torch.fx as fx
+
+from torchnative.ir import CapturedGraph
+
+Status = Literal["executes", "compile-only", "unavailable"]
+
+
+@dataclass(frozen=True)
+class Availability:
+    status: Status
+    reason: str = ""          # why not fully usable here
+    install_hint: str = ""    # what to run to make it usable
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""          # why not, when not
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+YES = Support(True)
+
+
+@dataclass
+class Artifact:
+    """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate
+    whose payload names weights instead of holding them (`external_weights`) lists them in
+    `constants`; whoever stores the payload (a bundle, the disk cache) stores or finds those
+    separately and hands them back to `load`."""
+    delegate: str
+    payload: bytes
+    meta: dict = field(default_factory=dict)    # JSON-serializable, except the in-memory-only eager/candle
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+
+# inputs -> outputs, new tensors; an output the graph marks "written_back" (ir.OutputRole) may be
+# a buffer the runner reuses on every call: the caller copies it out before the next call
+Runner = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+class CompileOnly(RuntimeError):
+    """`load` of a delegate whose artifacts are built here but run elsewhere (Core ML on Linux):
+    the partition keeps its artifact (a bundle ships it) and runs on eager here, with this reason."""
+
+
+class Delegate(Protocol):
+    name: str
+    external_weights: bool  # artifacts refer to baked weights by name (Artifact.constants)
+    composites: frozenset[str]  # fusions (passes.fuse.COMPOSITES) it maps to one kernel, applied before compile
+    # runs the state updates of passes.state (aten.index_put_ of a state input) on the caller's
+    # tensor itself; the partitioner leaves them to eager for a delegate that does not
+    writes_in_place: bool
+    calibrates: bool  # compile wants graph.samples: activation ranges come from real values
+    toolchain: tuple[str, ...]  # the packages its artifacts are made and run with (cache keys, manifests)
+    extension: str  # a bundle's file name ending for its artifacts ("" when they cannot be saved)
+
+    def available(self) -> Availability: ...
+
+    def supports(self, node: fx.Node) -> Support: ...
+
+    def compile(self, graph: CapturedGraph) -> Artifact: ...
+
+    def load(self, artifact: Artifact) -> Runner: ...
