@@ -10,7 +10,6 @@ Warm path per op: classify (dict) → encode arguments → one trie lookup → w
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import weakref
@@ -20,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchnative import events
+from torchnative.grad import copy_back
 from torchnative.capture import views
 from torchnative.capture.meta import Unrecordable, infer, meta_of
 from torchnative.capture.ops import _CLASSES, Kind, classify
@@ -70,24 +70,6 @@ def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
     """Give the wrapper `dst` the shape/stride of `like`, keeping its Python identity."""
     with torch.no_grad():
         dst.data = _make(LazyTensor, like.shape, like.stride(), like.storage_offset(), None, like.dtype)
-
-
-def copy_back(roots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """Each root given its new value, in one call (a decode step writes a dozen counters), but
-    for the roots the program wrote in place (passes.state), whose value is the root itself."""
-    pairs = [(r, v) for r, v in zip(roots, values) if r is not v]
-    if pairs:
-        with no_grad():
-            torch._foreach_copy_(*map(list, zip(*pairs)))
-
-
-_NOTHING = contextlib.nullcontext()
-
-
-def no_grad() -> contextlib.AbstractContextManager:
-    """`torch.no_grad()`, or nothing to enter when grad is off already (inference: entering it
-    costs 2 us, several times that right after a delegate's run has evicted the caches)."""
-    return torch.no_grad() if torch.is_grad_enabled() else _NOTHING
 
 
 class Recorder:

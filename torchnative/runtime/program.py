@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.capture.recorder import no_grad
+from torchnative.grad import no_grad
 from torchnative.capture.trie import Node, Signature, build_graph
 from torchnative.interface import Artifact, Delegate
 from torchnative.delegates.base import in_clean_thread

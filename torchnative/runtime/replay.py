@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative import events
-from torchnative.capture.recorder import copy_back
+from torchnative.grad import copy_back
 from torchnative.runtime.guard import SCALARS, Snapshot, is_plain, object_state
 
 aten = torch.ops.aten

@@ -1,0 +1,25 @@
+"""Writes that autograd must not see, at the cost of the writes alone: capture writes a graph's
+state updates back into the real tensors, and so does a replayed call; programs run their
+partitions with grad off."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_NOTHING = contextlib.nullcontext()
+
+
+def no_grad() -> contextlib.AbstractContextManager:
+    """`torch.no_grad()`, or nothing to enter when grad is off already (inference: entering it
+    costs 2 us, several times that right after a delegate's run has evicted the caches)."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NOTHING
+
+
+def copy_back(roots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Each root given its new value, in one call (a decode step writes a dozen counters), but
+    for the roots the program wrote in place (passes.state), whose value is the root itself."""
+    pairs = [(r, v) for r, v in zip(roots, values) if r is not v]
+    if pairs:
+        with no_grad():
+            torch._foreach_copy_(*map(list, zip(*pairs)))
