@@ -25,7 +25,7 @@ import torch
 
 import torchnative
 from torchnative import models
-from torchnative.runtime import program as runtime_program
+from torchnative.runtime import program_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402
@@ -71,7 +71,7 @@ def _last_step_inputs(decoder: Decoder, delegate: str) -> tuple:
     """The compiled program of a decode step and what it and each of its partitions were given
     (by id), seen by running one step with spies on them. Reads the runtime's program cache: a
     benchmark's window into it, nothing more."""
-    programs = [p for candidates in runtime_program._programs.values() for p in candidates
+    programs = [p for candidates in program_cache._programs.values() for p in candidates
                 if any(s.delegate == delegate for s in p.steps or ())]
     seen: dict = {}
     spied = [(p, "run_fn") for p in programs] + [(s, "run") for p in programs for s in p.steps]

@@ -22,7 +22,7 @@ import torch
 
 import torchnative
 from torchnative import models
-from torchnative.runtime.program import clear_caches
+from torchnative.runtime.program_cache import clear_caches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402

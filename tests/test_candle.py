@@ -8,7 +8,9 @@ from torch.nn.functional import linear
 
 import torchnative
 from torchnative.delegates import REGISTRY
-from torchnative.delegates import candle as candle_delegate
+from torchnative.delegates.hf_candle.fold import fold
+from torchnative.delegates.hf_candle.interpreter import interpreter
+from torchnative.delegates.hf_candle.transfer import to_candle
 from tests.conftest import record
 
 pytestmark = pytest.mark.skipif(REGISTRY["candle"].available().status != "executes",
@@ -117,10 +119,10 @@ def test_a_candle_panic_is_an_exception_naming_the_op():
     cannot hold q8_1, so the runner is built from the weight directly."""
     w = torch.randn(8, 64)
     graph, _ = _graph(lambda x, w: (linear(x, w).relu(),), [torch.randn(2, 64), w], ["input", "param"])
-    folded, _ = candle_delegate._fold(graph)
+    folded, _ = fold(graph)
     weight = next(n for n in folded if n.op == "call_function")  # w transposed, as mm takes it
-    q8_1 = candle_delegate._to_candle([w])[0].quantize("q8_1")
-    runner = candle_delegate._interpreter(graph, {n.name for n in folded}, {weight.name: q8_1}, "candle-q8_1")
+    q8_1 = to_candle([w])[0].quantize("q8_1")
+    runner = interpreter(graph, {n.name for n in folded}, {weight.name: q8_1}, "candle-q8_1")
     with pytest.raises(RuntimeError, match=r"^candle-q8_1: aten.mm.default \(mm\) failed: PanicException: .*Q8_1"):
         runner([torch.randn(2, 64)])
 

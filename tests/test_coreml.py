@@ -4,8 +4,6 @@ package validates (spec, ML program re-parsed with every weight blob), models' p
 and run on eager with the reason, bundles ship the packages — and the execution test runs on macOS."""
 import json
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +12,11 @@ import torch
 import torchnative
 from tests.conftest import record
 from tests.test_bundle import _compile, _eager, _fresh_run, _close
-from tests.test_delegates import OPS, SWEEP
+from tests.sweep import sweep
+from tests.test_delegates import OPS
 from torchnative import events, models
 from torchnative.delegates import REGISTRY, coreml
-from torchnative.runtime.program import clear_caches
+from torchnative.runtime.program_cache import clear_caches
 
 pytestmark = pytest.mark.skipif(REGISTRY["coreml"].available().status == "unavailable",
                                 reason=f"coreml: {REGISTRY['coreml'].available().reason}")
@@ -49,12 +48,7 @@ def test_status_is_truthful_here():
 
 
 def test_claimed_ops_convert_and_validate(cache, tmp_path):
-    out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "1", "--delegates", "coreml", "--ops", ",".join(OPS),
-                           "--out", str(out)], capture_output=True, text=True, timeout=1800,
-                          env={**__import__("os").environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = sweep(tmp_path, "--samples", "1", "--delegates", "coreml", "--ops", ",".join(OPS), cache=cache)
     print(f"coreml: {len(r['delegated'])} of {r['pass'] + r['fallback']} samples converted and validated")
     assert not r["failures"], "\n".join(r["failures"])
     # a claimed op that then failed to convert or validate is a fallback other than compile-only

@@ -1,20 +1,16 @@
 """Delegates against eager: every claimed op numerically (OpInfo samples, table-driven), models
 under accelerate with each delegate, and fallbacks that are counted, never silent."""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import torchnative
 from tests.conftest import assert_same, record
+from tests.sweep import sweep
 from torchnative.delegates import REGISTRY
 from torchnative import models
 from torchnative.interface import YES, Availability
 
-SWEEP = Path(__file__).with_name("opinfo_sweep.py")
 # Quantized variants are inexact by design: tests/test_candle.py checks them against float32 with
 # a measured bound; the exact tests that take EXECUTING leave them out.
 QUANTIZED = {"candle-q8_0", "candle-q4k", "qnn"}  # qnn: tests/test_qnn.py
@@ -60,11 +56,7 @@ def test_every_delegate_is_listed_with_a_status():
 
 @pytest.mark.parametrize("delegate", _per_delegate(EXECUTING, SLOW_OP_TABLES))
 def test_claimed_ops_match_eager(delegate, tmp_path):
-    out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "2", "--delegates", delegate,
-                           "--ops", ",".join(OPS), "--out", str(out)], capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = sweep(tmp_path, "--samples", "2", "--delegates", delegate, "--ops", ",".join(OPS))
     assert r["pass"] > 2 * len(OPS) * 0.8
     assert not r["failures"], "\n".join(r["failures"])
     if delegate not in IMPRECISE_CLAIMS:
@@ -129,7 +121,7 @@ def test_compile_failure_falls_back_to_eager_and_is_counted(monkeypatch):
 
 @pytest.mark.skipif("ort" not in EXECUTING, reason="onnxruntime is not installed")
 def test_a_graph_is_compiled_once_it_repeats():
-    from torchnative.runtime.program import clear_caches
+    from torchnative.runtime.program_cache import clear_caches
 
     clear_caches()  # another test may have run this graph already
     x = torch.randn(8)

@@ -2,22 +2,13 @@
 a reported failure. Default: the first 2 samples of every float32 op; `-m slow`: all samples.
 Both check the capture itself, so graphs run on the eager delegate (the delegates' claims have
 their own sweep in test_delegates)."""
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-SWEEP = Path(__file__).with_name("opinfo_sweep.py")
+from tests.sweep import sweep
 
 
 def _sweep(tmp_path, *extra):
-    out = tmp_path / "opinfo.json"
-    proc = subprocess.run([sys.executable, str(SWEEP), "--out", str(out), "--delegates", "eager", *extra],
-                          capture_output=True, text=True, timeout=3000)
-    assert proc.returncode == 0, f"sweep process died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return sweep(tmp_path, "--delegates", "eager", *extra, timeout=3000)
 
 
 def _check(r):

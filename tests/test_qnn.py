@@ -1,10 +1,6 @@
 """The `qnn` delegate (Hexagon HTP through ONNX Runtime's QNN execution provider, simulated on
 this CPU): its claimed ops executed and compared with eager by relative L2 error (activations are
 quantized to uint16, weights to int8), the models end to end, and the compiled context binary."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +9,11 @@ import torch
 import torchnative
 from torchnative import events, models
 from torchnative.delegates import REGISTRY
-from torchnative.runtime.program import clear_caches
+from torchnative.runtime.program_cache import clear_caches
 
 from tests.conftest import record
-from tests.test_delegates import OPS, SWEEP
+from tests.sweep import sweep
+from tests.test_delegates import OPS
 
 pytestmark = pytest.mark.skipif(REGISTRY["qnn"].available().status != "executes",
                                 reason=f"qnn: {REGISTRY['qnn'].available().reason}")
@@ -37,12 +34,7 @@ def cache(tmp_path_factory):
 # (CI runs it); the default run checks HTP's numerics on a compiled MLP below
 @pytest.mark.slow
 def test_claimed_ops_match_eager_within_quantization_error(cache, tmp_path):
-    out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, str(SWEEP), "--samples", "1", "--delegates", "qnn", "--rel-l2", str(REL_L2),
-                           "--ops", ",".join(OPS), "--out", str(out)], capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "TORCHNATIVE_CACHE_DIR": str(cache)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r = sweep(tmp_path, "--samples", "1", "--delegates", "qnn", "--rel-l2", str(REL_L2), "--ops", ",".join(OPS), cache=cache)
     print(f"qnn: {r['pass']} passed, {len(r['delegated'])} ran on HTP, worst relative L2 {r['worst_rel_l2']:.2g}, "
           f"fell back: {r['fallbacks']}")
     assert not r["failures"], "\n".join(r["failures"])

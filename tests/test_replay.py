@@ -1,4 +1,4 @@
-"""Replay of a forward proven stable (runtime/replay.py): outputs stay eager's when the guards
+"""Replay of a forward proven stable (runtime/replayer.py): outputs stay eager's when the guards
 hold, and a call is recorded again whenever Python might have done something different."""
 import pytest
 import torch
@@ -256,7 +256,7 @@ def test_outputs_are_rebuilt_as_unflattening_builds_them():
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import ModelOutput
 
-    from torchnative.runtime.replay import _builder
+    from torchnative.runtime.replayer import _builder
 
     @dataclass
     class Derived(ModelOutput):

@@ -5,7 +5,6 @@ cut where Python needs a value, and run as compiled programs, with eager semanti
 """
 from __future__ import annotations
 
-import functools
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,10 +26,9 @@ from torchnative.passes.quantize import KQUANTS, SCHEMES
 from torchnative.runtime import calibration as _calibration
 from torchnative import store
 from torchnative.runtime.program import CapturedOpError
-from torchnative.runtime.guard import flatten_call, guard_key
-from torchnative.runtime.replay import Replayer, Tracer
-from torchnative.runtime.session import real_outputs, session
-from torchnative.shim import LazyTensor, current_handler
+from torchnative.runtime.accelerated import accelerated_forward
+from torchnative.runtime.session import session
+from torchnative.shim import LazyTensor
 
 __all__ = ["load", "Bundle", "BundleError", "set_cache_dir", "accelerate", "deaccelerate", "capture", "calibrate", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
            "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
@@ -96,34 +94,9 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     _check_quantize(quantize)
     name_tensors(model)
     original = model.forward
-    buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
-    replayer = Replayer(buffers)
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        key = None
-        # inside a capture the outer session records; while calibrating every call is recorded
-        if replay and current_handler() is None and not _calibration.active():
-            leaves, spec = flatten_call(args, kwargs)
-            key = guard_key(model, leaves, spec, replayer.snapshots)
-        if key is None:
-            with session(delegates, buffers, compile_after=compile_after, quantize=quantize):
-                out = original(*args, **kwargs)
-            return real_outputs(out)  # after the session: its end runs the pending graph
-        replayed, out = replayer.replay(key, leaves)
-        if replayed:
-            return out
-        tracer = Tracer()
-        with session(delegates, buffers, tracer, compile_after, quantize):
-            out = original(*args, **kwargs)
-        out = real_outputs(out)
-        if guard_key(model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
-            tracer.refuse("the call changed the Python state of an argument object")
-        replayer.learn(key, tracer, leaves, out)
-        return out
-
     model.__dict__[_ORIGINAL] = original
-    model.forward = forward
+    model.forward = accelerated_forward(model, original, delegates=delegates, replay=replay,
+                                        compile_after=compile_after, quantize=quantize)
     return model
 
 

@@ -125,3 +125,9 @@ def listen(fn: Callable[[Any], None]) -> Callable[[], None]:
     """Register `fn` for every event; returns a function that unregisters it."""
     _listeners.append(fn)
     return lambda: _listeners.remove(fn)
+
+
+def fallback(delegate: str, why: str, graph_key: str, n_ops: int) -> None:
+    """A partition runs on eager instead of its delegate: counted and reported, never silent."""
+    STATS.fallbacks[f"{delegate}: {why.splitlines()[0][:200] if why else ''}"] += 1
+    emit(Fallback(delegate, why, graph_key, n_ops))

@@ -19,6 +19,13 @@ Role = Literal["input", "param", "pinned", "state", "constant"]
 # by the caller right after the run and read by nothing else; a delegate may return it in a
 # buffer it reuses on every call
 OutputRole = Literal["output", "state_update", "written_back"]
+# roles whose values are weights: known when the graph is built, the same on every call, so a
+# delegate may bake them into its artifact (and passes fold or quantize them)
+WEIGHT_ROLES = ("param", "constant")
+
+
+def is_weight(role: Role) -> bool:
+    return role in WEIGHT_ROLES
 
 
 @dataclass
@@ -50,6 +57,20 @@ class CapturedGraph:
         g.output(g.graph_copy(self.gm.graph, {}))
         return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), list(self.input_roles), list(self.output_roles),
                              self.constants, self.samples, self.writes)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> fx.Node:
+        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    def outputs(self) -> list[fx.Node]:
+        """The values the graph returns, in order."""
+        return list(self.output_node().args[0])
+
+    def runtime_inputs(self) -> int:
+        """How many placeholders are passed at run time: all but the weights."""
+        return sum(1 for r in self.input_roles if not is_weight(r))
 
     def op_nodes(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]

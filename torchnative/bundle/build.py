@@ -1,5 +1,5 @@
 """One call of a model, captured and compiled for a bundle: the call is recorded on eager (fast,
-no compile), described as a replay trace (runtime/replay.py: programs in order, where each input
+no compile), described as a replay trace (runtime/trace.py: programs in order, where each input
 comes from, the scalars Python read), then each program is built again for the target delegates
 with its artifacts kept."""
 from __future__ import annotations
@@ -14,8 +14,9 @@ from torch.utils import _pytree as pytree
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
-from torchnative.runtime.program import Program
-from torchnative.runtime.replay import Ineligible, Trace, Tracer
+from torchnative.runtime.pipeline import build_program
+from torchnative.runtime.trace import Ineligible, Trace
+from torchnative.runtime.tracer import Tracer
 from torchnative.runtime.session import real_outputs, session
 
 
@@ -62,7 +63,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tup
 def compile_trace(trace: Trace, run_inputs: list, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
     """Each program of `trace` built again for `targets` (preference order), artifacts kept."""
     delegates = resolve(targets)
-    steps = tuple(dataclasses.replace(step, program=Program(step.program.captured, delegates, args, quantize, keep_artifacts=True))
+    steps = tuple(dataclasses.replace(step, program=build_program(step.program.captured, delegates, args, quantize, keep_artifacts=True))
                   for step, args in zip(trace.steps, run_inputs))
     return dataclasses.replace(trace, steps=steps)
 

@@ -16,9 +16,9 @@ from torchnative.bundle.build import Compiled
 from torchnative.bundle.format import SCHEMA, WEIGHTS, BundleError, sha256, write
 from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes import pin
-from torchnative.runtime import replay
+from torchnative.runtime import trace
 from torchnative.runtime.program import Program, Step
 from torchnative.toolchain import versions
 
@@ -90,7 +90,7 @@ class _Writer:
             payload, meta, inputs = _exported(step.graph), {}, step.inputs
         else:
             payload, meta = built.payload, built.meta
-            inputs = [n for n, r in zip(step.reads, step.graph.input_roles) if r not in ("param", "constant")]
+            inputs = [n for n, r in zip(step.reads, step.graph.input_roles) if not is_weight(r)]
             constants = {local: self.weight(t, f"constants.g{k}.p{j}.{local}") for local, t in built.constants.items()}
             try:
                 json.dumps(meta)
@@ -113,11 +113,11 @@ class _Writer:
         self.files[path] = payload
         return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
 
-    def program(self, k: int, trace_step: replay.Step) -> dict:
+    def program(self, k: int, trace_step: trace.GraphCall) -> dict:
         program: Program = trace_step.program
         name = lambda n: f"g{k}.{n.name}"  # noqa: E731
-        placeholders = [n for n in program.graph.gm.graph.nodes if n.op == "placeholder"]
-        out_node = next(n for n in reversed(program.graph.gm.graph.nodes) if n.op == "output")
+        placeholders = program.graph.placeholders()
+        out_node = program.graph.output_node()
         # a value only delegates read is compiled into their artifacts: the bundle need not carry it
         needed = {n for s in program.steps for n in s.inputs} | set(out_node.args[0])
         sources = [*trace_step.sources, *(("const", t) for t in program.extra)]

@@ -16,6 +16,11 @@ _META = torch.device("meta")
 _cache: dict = {}
 
 
+def forget() -> None:
+    """Drop every inferred output shape."""
+    _cache.clear()
+
+
 class Unrecordable(Exception):
     """The op cannot be recorded with these arguments; the message says why."""
 

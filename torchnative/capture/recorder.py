@@ -23,7 +23,7 @@ from torchnative.grad import copy_back
 from torchnative.capture import views
 from torchnative.capture.meta import Unrecordable, infer, meta_of
 from torchnative.capture.ops import _CLASSES, Kind, classify
-from torchnative.capture.trie import INPUT, REFS, ROOT, Node, Ref, Signature, build_graph
+from torchnative.capture.trie import INPUT, REFS, ROOT, TrieNode, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty(0, dtype=dtype, device="meta").type()).split(".")[-1].replace("Tensor", "")
 
 
-Execute = Callable[[Node, Signature, list, int, list], list]  # (graph, signature, inputs, ops, roots written)
+Execute = Callable[[TrieNode, Signature, list, int, list], list]  # (graph, signature, inputs, ops, roots written)
 
 
 def user_frame(skip: int = 2) -> tuple[str, int]:
@@ -81,7 +81,7 @@ class Recorder:
         self._reset()
 
     def _reset(self) -> None:
-        self.node: Node = ROOT
+        self.node: TrieNode = ROOT
         self.inputs: list[torch.Tensor] = []
         self.inslot: dict[int, int] = {}          # id(real tensor) -> input slot
         self.live: list = []                      # weakrefs to pending LazyTensors
@@ -174,7 +174,7 @@ class Recorder:
         if node is None:
             if x.device.type != "cpu" or x.layout != torch.strided:
                 raise Unrecordable(f"input on {x.device} with layout {x.layout}")
-            node = self.node.children[key] = Node(self.node, INPUT, (), (), (meta_of(x),), None, role=role)
+            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (meta_of(x),), None, role=role)
         self.node = node
         s = node.out_slots[0]
         self.inslot[id(x)] = s
@@ -219,9 +219,9 @@ class Recorder:
             outs.append(t)
         return node.sequence(outs)
 
-    def new_node(self, op, is_view: bool, args: tuple, kwargs: dict, key: tuple) -> Node:
+    def new_node(self, op, is_view: bool, args: tuple, kwargs: dict, key: tuple) -> TrieNode:
         metas, sequence = infer(op, args, kwargs)
-        node = Node(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3))
+        node = TrieNode(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3))
         self.node.children[key] = node
         return node
 
@@ -252,7 +252,7 @@ class Recorder:
         """The current value of a pending view whose base may have been written since."""
         g = self.gen_of(v._vbase)
         if g != v._bgen:
-            v._slot = views.replay(self.call, v._vbase, v._vchain)._slot
+            v._slot = views.apply(self.call, v._vbase, v._vchain)._slot
             v._bgen = g
         v._epoch = self.epoch
         return REFS[v._slot]

@@ -33,14 +33,14 @@ class Ref:
         return f"%{self.slot}"
 
 
-REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by Node, so REFS[slot] always exists
+REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by TrieNode, so REFS[slot] always exists
 
 
-class Node:
+class TrieNode:
     __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
                  "is_view", "role", "stack", "children", "next_slot", "n_ops", "answers")
 
-    def __init__(self, parent: "Node | None", op: Any, args: tuple, kwargs: tuple,
+    def __init__(self, parent: "TrieNode | None", op: Any, args: tuple, kwargs: tuple,
                  out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
                  stack: tuple | None = None):
         self.parent = parent
@@ -62,7 +62,7 @@ class Node:
         # ops recorded on the path to here (inputs are not ops)
         self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
 
-    def path(self) -> list["Node"]:
+    def path(self) -> list["TrieNode"]:
         nodes, n = [], self
         while n.parent is not None:
             nodes.append(n)
@@ -71,7 +71,7 @@ class Node:
         return nodes
 
 
-ROOT = Node(None, None, (), (), (), False)
+ROOT = TrieNode(None, None, (), (), (), False)
 
 
 def _decode(x: Any, env: dict) -> Any:
@@ -97,7 +97,7 @@ class Signature:
     state: tuple
 
 
-def build_graph(node: Node, sig: Signature) -> CapturedGraph:
+def build_graph(node: TrieNode, sig: Signature) -> CapturedGraph:
     """The CapturedGraph (Core ATen fx.GraphModule + roles) for the path ending at `node`."""
     g = fx.Graph()
     env: dict = {}

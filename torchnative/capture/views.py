@@ -26,7 +26,8 @@ _SCATTERS = {
 }
 
 
-def replay(call: Callable, base, chain: Chain):
+def apply(call: Callable, base, chain: Chain):
+    """The chain's view ops, in order, on `base` (through `call`: recorded when it records)."""
     v = base
     for op, rest, kwargs in chain:
         v = call(op, (v, *rest), kwargs)

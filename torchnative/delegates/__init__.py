@@ -5,12 +5,12 @@ import functools
 import warnings
 from typing import Sequence
 
-from torchnative.delegates import candle, coreml, eager, iree, ort, qnn, xnnpack
+from torchnative.delegates import coreml, eager, hf_candle, iree, ort, qnn, xnnpack
 from torchnative.interface import Delegate
 
 REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, iree.vulkan, iree.cpu,
-                                                     candle.delegate,
-                                                     candle.q8_0, candle.q4k, eager.delegate)}
+                                                     hf_candle.delegate,
+                                                     hf_candle.q8_0, hf_candle.q4k, eager.delegate)}
 # The fastest correct order measured here (benchmarks/models.py): ONNX Runtime led on every
 # workload; XNNPACK trailed it and takes fewer ops; candle is for quantized weights, by request.
 DEFAULT: tuple[str, ...] = ("ort",)

@@ -1,61 +1,31 @@
-"""ONNX Runtime on CPU: a Core ATen subgraph → ExportedProgram → ONNX (torch.onnx's torchlib
-translation) → an InferenceSession on the CPU execution provider."""
+"""ONNX Runtime on CPU: the delegate. A Core ATen subgraph → ONNX (onnx_export) → an
+InferenceSession on the CPU execution provider, its baked weights handed over as external
+initializers; the runners, which bind a state update's output to the caller's own tensor (IO
+binding) so that it is written in place."""
 from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
-import math
 import operator
 import threading
-import warnings
 
 import torch
 import torch.fx as fx
 
 from torchnative.delegates.base import tensors
+from torchnative.delegates.onnx_export import SDPA, slice_write, to_onnx, torchlib_registry
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
-from torchnative.ir import CapturedGraph
-from torchnative.passes.fuse import COMPOSITES, gelu_tanh_op, rms_norm_op, rope_op
+from torchnative.ir import CapturedGraph, is_weight
+from torchnative.passes.fuse import COMPOSITES
 from torchnative.passes.state import SLICE_UPDATE
 
 _HINT = "pip install onnxruntime onnxscript onnx"
-_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _INDEX_PUT = torch.ops.aten.index_put.default
-_COMPOSITE_OPS = {rms_norm_op, rope_op, gelu_tanh_op}
-
-
-def _cache_or_grouped_attention(node: fx.Node) -> bool:
-    """Attention of fewer queries than keys (a step over a KV cache: torchlib's translation
-    passes over the whole cache three times; ours ran a GPT-2 decode step 7.8 % faster, but BERT
-    4.6 % and GPT-2 prefill 2.6 % slower), or with grouped KV heads (torchlib's takes none)."""
-    q, k = (a.meta.get("val") for a in node.args[:2])
-    return q is not None and k is not None and q.dim() == 4 and (q.shape[1] != k.shape[1] or q.shape[2] < k.shape[2])
-
-
-def _slice_write(node: fx.Node) -> bool:
-    """index_put along one dim by a 1-D index (a KV cache written at its positions)."""
-    given = [i for i in node.args[1] if i is not None]
-    return len(given) == 1 and given[0].meta.get("val") is not None and given[0].meta["val"].dim() == 1 \
-        and not given[0].meta["val"].dtype.is_floating_point and given[0].meta["val"].dtype != torch.bool
-
-
-# torchlib's translation is replaced only in graphs that have a node it handles badly
-_OURS = {torch.ops.aten.index_put.default: _slice_write, **{sdpa: _cache_or_grouped_attention for sdpa in _SDPA}}
-
 
 # found wrong by the OpInfo sweep (tests/opinfo_sweep.py --delegates ort)
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
                     "aminmax", "view_as_complex", "view_as_real", "complex", "polar"})
 _REDUCTIONS = frozenset({"amax", "amin", "logsumexp", "max", "min", "argmax", "argmin"})
-
-
-@functools.cache
-def _registry():
-    from torch.onnx._internal.exporter import _registration
-
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    return _registration.ONNXRegistry.from_torchlib()
 
 
 def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
@@ -76,97 +46,6 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
     return moved
 
 
-@functools.cache
-def _translations() -> dict:
-    """Our ONNX translations: the composites (passes.fuse) ONNX Runtime runs as one kernel
-    (opset 23); attention and index_put where torchlib's are slow or missing (see _OURS)."""
-    import numpy
-    import onnx
-    from onnxscript import opset23 as op
-
-    def rms_norm(x, weight, eps: float):
-        return op.RMSNormalization(x, weight, axis=-1, epsilon=eps, stash_type=1)
-
-    def gelu_tanh(x):
-        return op.Gelu(x, approximate="tanh")
-
-    def rope(x, cos, sin):
-        # the fusion proved cos and sin repeat their first half; ONNX's kernel reads that half,
-        # [batch, positions, half] (cos is [batch or 1, 1, positions, head_size])
-        batch, _, positions, size = x.shape
-        ints = lambda *v: op.Constant(value_ints=list(v))  # noqa: E731
-
-        def half(t):
-            t = op.Squeeze(op.Slice(t, ints(0), ints(size // 2), ints(3)), ints(1))
-            return op.Expand(t, ints(batch, positions, size // 2))
-        return op.RotaryEmbedding(x, half(cos), half(sin))
-
-    def attention(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, attn_mask=None, scale=None):
-        # softmax(q @ kᵀ · scale + mask) @ v in the form ONNX Runtime's optimizer fuses into one
-        # FusedMatMul (transposed k, the scale as its alpha): torchlib's scales q and k by √scale
-        # and transposes k itself, three passes over a KV cache per layer
-        if dropout_p != 0.0:
-            return torchlib_nn.aten__scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask, scale)
-        batch, heads, length, size = query.shape
-        kv_heads, positions = key.shape[1], key.shape[2]
-        if kv_heads != heads:  # grouped-query: query head h reads KV head h // (heads / kv_heads)
-            def repeat(t):
-                t = op18.Expand(op18.Unsqueeze(t, ints([2])), ints([batch, kv_heads, heads // kv_heads, positions, size]))
-                return op18.Reshape(t, ints([batch, heads, positions, -1]))
-            key, value = repeat(key), repeat(value)
-        scale = 1.0 / math.sqrt(size) if scale is None else scale
-        # scaled after the product, as torch's CPU kernel does (before it, OpInfo's large samples differ by 1e-5)
-        scores = op18.Mul(op18.MatMul(query, op18.Transpose(key, perm=[0, 1, 3, 2])), op18.Constant(value_float=scale))
-        if is_causal:
-            above = numpy.triu(numpy.full((length, positions), -numpy.inf, numpy.float32), 1)
-            scores = op18.Add(scores, op18.Constant(value=onnx.numpy_helper.from_array(above)))
-        if attn_mask is not None:
-            scores = op18.Where(attn_mask, scores, op18.Constant(value_float=-math.inf)) \
-                if attn_mask.dtype == onnx.TensorProto.BOOL else op18.Add(scores, attn_mask)
-        out = op18.MatMul(op18.Softmax(scores, axis=-1), value)
-        # the logsumexp autograd would save is never read (supports() declines the node when it
-        # is): a placeholder of its shape
-        return out, op18.Expand(op18.Constant(value_float=0.0), ints([batch, heads, length]))
-
-    def index_put(data, indices, values, accumulate: bool = False):
-        # torchlib's moves the indexed dim first and back: two transposes of the whole cache per
-        # write, 15 % of a GPT-2 decode step. ScatterND with an index tuple per leading position
-        # writes whole trailing slices where they are
-        dim = next((d for d, i in enumerate(indices) if i is not None), None)
-        if dim is None or sum(i is not None for i in indices) != 1 or len(indices[dim].shape) != 1:
-            return torchlib_core.aten_index_put(data, indices, values, accumulate)
-        lead = [*data.shape[:dim], indices[dim].shape[0]]
-        grid = numpy.stack(numpy.meshgrid(*(numpy.arange(n) for n in lead), indexing="ij"), -1)[..., :-1]
-        where = op18.Concat(op18.Constant(value=onnx.numpy_helper.from_array(grid.astype(numpy.int64))),
-                            op18.Expand(op18.Reshape(indices[dim], ints([1] * dim + [-1, 1])), ints([*lead, 1])), axis=-1)
-        return op18.ScatterND(data, where, op18.Expand(values, ints([*lead, *data.shape[dim + 1:]])),
-                              reduction="add" if accumulate else "none")
-
-    ints = lambda v: op18.Constant(value_ints=v)  # noqa: E731
-    from onnxscript import opset18 as op18  # torchlib's opset: up-converts to the graph's
-    from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
-    from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
-
-    return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope, torch.ops.aten.index_put.default: index_put,
-            **{sdpa: attention for sdpa in _SDPA}}
-
-
-def to_onnx(graph: CapturedGraph):
-    """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
-    constants are initializers named like their placeholders. Opset 23 where a composite needs
-    its kernels, else the exporter's default (20): plain graphs ran 1-2 % slower at 23."""
-    nodes = graph.gm.graph.nodes
-    composite = any(n.target in _COMPOSITE_OPS for n in nodes)
-    needed = {n.target for n in nodes if n.target in _OURS and _OURS[n.target](n)}
-    table = {op: fn for op, fn in _translations().items() if op in needed or op not in _OURS}
-    exported = graph.to_exported_program()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else None,
-                                 custom_translation_table=table).model_proto
-
-
 class OnnxRuntime:
     name = "ort"
     external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
@@ -184,13 +63,13 @@ class OnnxRuntime:
 
     def supports(self, node: fx.Node) -> Support:
         if node.target is SLICE_UPDATE:
-            if node.args[0].op != "placeholder" or not _slice_write(node):
+            if node.args[0].op != "placeholder" or not slice_write(node):
                 return Support(False, "a state update is written in place only into a graph input, along one dim "
                                       "by a 1-D integer index (one ScatterND)")
             return YES
         if not isinstance(node.target, torch._ops.OpOverload):
             return Support(False, f"{node.target} is not an aten op")
-        if not _registry().is_registered(node.target):
+        if not torchlib_registry().is_registered(node.target):
             return Support(False, f"no ONNX translation of {node.target} in torchlib")
         name = node.target._schema.name.split("::")[1]
         if name in _WRONG or name.startswith(("special_", "linalg_", "_linalg_", "_fft_")):
@@ -202,14 +81,14 @@ class OnnxRuntime:
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
-        if node.target in _SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
+        if node.target in SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
                                   "logsumexp that autograd saves (the call runs with grad enabled)")
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
         outputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch."))
-                   for n in next(n for n in graph.gm.graph.nodes if n.op == "output").args[0]]
+                   for n in graph.outputs()]
         graph, written = _functional_writes(graph)
         model = to_onnx(graph)
         external = _externalize(model, graph.constants)
@@ -264,9 +143,8 @@ def _functional_writes(graph: CapturedGraph) -> tuple[CapturedGraph, list[int]]:
         return graph, []
     graph = graph.copy()
     g = graph.gm.graph
-    out = next(n for n in g.nodes if n.op == "output")
-    runtime = [n for n, role in zip((n for n in g.nodes if n.op == "placeholder"), graph.input_roles)
-               if role not in ("param", "constant")]
+    out = graph.output_node()
+    runtime = [n for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
     written, values = [], []
     for w in [n for n in g.nodes if n.target is SLICE_UPDATE]:
         state = w.args[0]

@@ -13,7 +13,7 @@ import torch.fx as fx
 from torchnative.delegates.base import in_clean_thread
 from torchnative import store
 from torchnative.interface import YES, Delegate, Support
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 from torchnative.toolchain import fingerprint
 
 
@@ -35,7 +35,7 @@ def weight(a: fx.Node) -> fx.Node | None:
     """The weight placeholder `a` is, or is a view of (a Linear's weight arrives permuted)."""
     while a.op == "call_function" and getattr(a.target, "is_view", False):
         a = a.args[0]
-    return a if a.op == "placeholder" and a.meta.get("role") in ("param", "constant") else None
+    return a if a.op == "placeholder" and is_weight(a.meta.get("role")) else None
 
 
 def alone(node: fx.Node) -> CapturedGraph:
@@ -49,7 +49,7 @@ def alone(node: fx.Node) -> CapturedGraph:
         env[a].meta = {"val": a.meta["val"]}
         role = a.meta.get("role", "input") if a.op == "placeholder" else "input"
         roles.append(role)
-        if role in ("param", "constant"):
+        if is_weight(role):
             v = a.meta["val"]
             constants[a.name] = torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype)
 
@@ -71,10 +71,10 @@ def alone(node: fx.Node) -> CapturedGraph:
 
 def random_inputs(graph: CapturedGraph) -> list[torch.Tensor]:
     """Values for the placeholders passed at run time (not weights)."""
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    placeholders = graph.placeholders()
     out = []
     for p, role in zip(placeholders, graph.input_roles):
-        if role not in ("param", "constant"):
+        if not is_weight(role):
             v = p.meta["val"]
             out.append(torch.randn(v.shape) if v.dtype.is_floating_point else torch.zeros(v.shape, dtype=v.dtype))
     return out

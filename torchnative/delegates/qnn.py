@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 
 from torchnative.interface import Artifact, Availability, Runner, Support
+from torchnative.delegates.onnx_export import to_onnx
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
-from torchnative.delegates.ort import to_onnx
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 
 _HINT = "pip install onnxruntime-qnn==2.7.0"
 _TYPES = {"uint8": "QUInt8", "uint16": "QUInt16", "int8": "QInt8", "int16": "QInt16"}
@@ -68,9 +68,9 @@ def _quiet():
 def _runtime_samples(graph: CapturedGraph) -> list[list[np.ndarray]]:
     """Calibration inputs: the sets of values the graph was built with and calibrated on, else
     normal noise."""
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    placeholders = graph.placeholders()
     sets = graph.samples or [[torch.randn(n.meta["val"].shape) for n in placeholders]]
-    return [[s.detach().contiguous().numpy() for s, r in zip(values, graph.input_roles) if r not in ("param", "constant")]
+    return [[s.detach().contiguous().numpy() for s, r in zip(values, graph.input_roles) if not is_weight(r)]
             for values in sets]
 
 

@@ -102,7 +102,7 @@ class Xnnpack:
             edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
             _check_all_delegated(edge.exported_program().graph_module.graph)
             program = edge.to_executorch()
-        n_inputs = sum(1 for r in graph.input_roles if r not in ("param", "constant"))
+        n_inputs = graph.runtime_inputs()
         return Artifact(self.name, bytes(program.buffer), {"n_inputs": n_inputs, "n_outputs": len(graph.output_roles)})
 
     def load(self, artifact: Artifact) -> Runner:

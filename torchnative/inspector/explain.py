@@ -78,7 +78,7 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
 
     stop = events.listen(on_event)
     try:
-        with session():
+        with session(compile_after=1):  # what it explains is the compiled program, from the first call
             result.output = fn(*args, **kwargs)
     finally:
         stop()

@@ -18,13 +18,9 @@ class Derived:
     sources: set[int] = field(default_factory=set)
 
 
-def placeholders(graph: CapturedGraph) -> list[fx.Node]:
-    return [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
-
-
 def add_constant(graph: CapturedGraph, like: fx.Node, name: str) -> fx.Node:
     """A new placeholder after the last one (so inputs keep their positions), role `constant`."""
-    existing = placeholders(graph)
+    existing = graph.placeholders()
     g = graph.gm.graph
     with g.inserting_after(existing[-1]) if existing else g.inserting_before(next(iter(g.nodes))):
         p = g.placeholder(name)

@@ -10,9 +10,9 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.cleanup import dce, pure
-from torchnative.passes.derived import Derived, add_constant, placeholders
+from torchnative.passes.derived import Derived, add_constant
 
 # a folded value may be larger than what it is computed from (a mask from `arange`), up to this
 _GROWTH = 1 << 20  # bytes
@@ -46,8 +46,8 @@ def fold_constants(graph: CapturedGraph, inputs: list[torch.Tensor], derived: De
     makes the program stale."""
     g = graph.gm.graph
     known: dict[fx.Node, set[int]] = {}  # foldable node -> indices of the inputs it derives from
-    for i, (p, role) in enumerate(zip(placeholders(graph), graph.input_roles)):
-        if role in ("param", "constant"):
+    for i, (p, role) in enumerate(zip(graph.placeholders(), graph.input_roles)):
+        if is_weight(role):
             known[p] = {i}
     for n in g.nodes:
         if _foldable(n, known):
@@ -79,13 +79,13 @@ def drop_zero_biases(graph: CapturedGraph, inputs: list[torch.Tensor], derived: 
     Freshly initialised models have zero biases (transformers' `_init_weights`), and
     torch.onnx.export's optimizer drops them the same way. The bias becomes a source of the
     program, which a change to it makes stale."""
-    index = dict(zip(placeholders(graph), range(len(inputs))))
+    index = dict(zip(graph.placeholders(), range(len(inputs))))
     g = graph.gm.graph
     dropped = 0
     for n in list(g.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)):
         bias = n.args[0]
         i = index.get(bias)
-        if i is None or graph.input_roles[i] not in ("param", "constant") or n.kwargs.get("alpha", 1) != 1:
+        if i is None or not is_weight(graph.input_roles[i]) or n.kwargs.get("alpha", 1) != 1:
             continue
         if inputs[i].any():
             continue
@@ -102,7 +102,7 @@ def drop_zero_biases(graph: CapturedGraph, inputs: list[torch.Tensor], derived: 
 
 def _evaluate(graph: CapturedGraph, inputs: list[torch.Tensor], wanted: list[fx.Node]) -> dict[fx.Node, object]:
     """Eager values of `wanted`, computing only what they need."""
-    env: dict[fx.Node, object] = dict(zip(placeholders(graph), inputs))
+    env: dict[fx.Node, object] = dict(zip(graph.placeholders(), inputs))
 
     def value(n: fx.Node):
         if n not in env:

@@ -73,7 +73,7 @@ def apply_pins(graph: CapturedGraph, inputs: list[torch.Tensor]) -> CapturedGrap
     """`param` inputs that are pinned take the role `pinned`; pinned and state placeholders are
     labelled (meta "updatable": (label, why)) for reports."""
     roles = ["pinned" if r == "param" and is_pinned(x) else r for r, x in zip(graph.input_roles, inputs)]
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    placeholders = graph.placeholders()
     for p, r, x in zip(placeholders, roles, inputs):
         if r == "pinned":
             p.meta["updatable"] = (label(x), reason(x))
@@ -86,7 +86,7 @@ def apply_pins(graph: CapturedGraph, inputs: list[torch.Tensor]) -> CapturedGrap
 
 def updatable(graph: CapturedGraph) -> list[dict]:
     """The graph's pinned and state inputs: name, role, shape, dtype and why (for reports)."""
-    placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
+    placeholders = graph.placeholders()
     rows = []
     for p, role in zip(placeholders, graph.input_roles):
         if role in ("state", "pinned"):

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from torchnative import events
 from torchnative.ir import CapturedGraph
-from torchnative.passes.derived import Derived, add_constant, placeholders
+from torchnative.passes.derived import Derived, add_constant
 
 aten = torch.ops.aten
 SCHEMES = {"int8": (127, None), "int4": (7, 32)}  # (largest level, group size or per channel)
@@ -102,7 +102,7 @@ def _cached(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _matmul_weights(graph: CapturedGraph) -> list[tuple[fx.Node, list[fx.Node], int]]:
     """(mm/addmm node, views from a `param` placeholder to its weight operand, placeholder index)."""
-    index = {p: i for i, p in enumerate(placeholders(graph))}
+    index = {p: i for i, p in enumerate(graph.placeholders())}
     found = []
     for n in graph.gm.graph.nodes:
         if n.target not in _MAT2:
@@ -159,7 +159,7 @@ def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: s
     if scheme not in SCHEMES:
         raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {sorted(SCHEMES | KQUANTS)}")
     g = graph.gm.graph
-    for i, (p, role, w) in enumerate(zip(placeholders(graph), list(graph.input_roles), inputs)):
+    for i, (p, role, w) in enumerate(zip(graph.placeholders(), list(graph.input_roles), inputs)):
         if role != "param" or w.dim() < 2 or not _feeds_matmul(p):
             continue
         reason = why_not(w, scheme)

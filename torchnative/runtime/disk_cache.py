@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from torchnative import store
 from torchnative.interface import Artifact, Delegate
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 from torchnative.partitioner import Partition, Plan
 from torchnative.toolchain import fingerprint
 
@@ -41,7 +41,7 @@ def key(delegate: Delegate, graph: CapturedGraph) -> str:
     for values in graph.samples or ():  # a calibrating delegate's artifact depends on the values it saw
         for t, role in zip(values, graph.input_roles):
             # weights are the same tensors in every set, hashed once above
-            if role not in ("param", "constant") and isinstance(t, torch.Tensor) and t.numel():
+            if not is_weight(role) and isinstance(t, torch.Tensor) and t.numel():
                 h.update(_bytes(t))
     return h.hexdigest()
 

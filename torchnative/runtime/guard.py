@@ -1,4 +1,4 @@
-"""What a replay trace is valid for (runtime/replay.py): the guard key of a call.
+"""What a replay trace is valid for (runtime/replayer.py): the guard key of a call.
 
 A call's key is its argument structure, each tensor argument's metadata, each scalar's value,
 each other object's identity and Python state, and the grad mode, training flag and default

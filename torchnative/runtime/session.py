@@ -6,16 +6,16 @@ from typing import Any, Iterator, Sequence
 
 from torchnative import events
 from torchnative.capture.recorder import Recorder
-from torchnative.capture.trie import Node, Signature
+from torchnative.capture.trie import TrieNode, Signature
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
-from torchnative.runtime.program import program_for
-from torchnative.runtime.replay import Tracer
+from torchnative.runtime.program_cache import COMPILE_AFTER, program_for
+from torchnative.runtime.tracer import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 
 
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None):
-    def execute(node: Node, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
+    def execute(node: TrieNode, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
         program, hit = program_for(node, sig, delegates, inputs, compile_after, quantize)
         values = program(inputs)
         if tracer is not None:
@@ -28,7 +28,7 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
-            tracer: Tracer | None = None, compile_after: int = 1, quantize: str | None = None) -> Iterator[Recorder | None]:
+            tracer: Tracer | None = None, compile_after: int = COMPILE_AFTER, quantize: str | None = None) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
     `tracer` watches the session for replay; `compile_after`: see `program_for`; `quantize`: a
     weight quantization scheme (passes.quantize). Nested, the outer session records and its

@@ -1,0 +1,93 @@
+"""The layering of DESIGN.md §2, checked over the source: data flows one way, so a module imports
+only modules of its own layer or of layers to its left (lazy imports inside functions included),
+and no two modules import each other through any chain (imports for type annotations alone do
+not count: they never run)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent / "torchnative"
+
+# left to right; a module imports only from its own layer or those before it
+LAYERS = [
+    {"ir", "events", "interface", "toolchain", "store", "grad"},  # what every layer shares
+    {"shim"}, {"capture"}, {"passes"}, {"partitioner"}, {"delegates"}, {"runtime"}, {"bundle"}, {"inspector"},
+    {"models", "cli", ""},  # "": the public API, torchnative/__init__.py
+]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("torchnative", *path.relative_to(ROOT).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The torchnative modules `name` imports: `from package import submodule` names the
+    submodule, `from module import thing` the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in _walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("torchnative")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("torchnative"):
+                continue
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    return out - {name}
+
+
+def _walk(tree: ast.AST):
+    """Every node but those under `if TYPE_CHECKING:` (imports for annotations, never run)."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+            continue
+        yield child
+        yield from _walk(child)
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _graph() -> nx.DiGraph:
+    modules = _modules()
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_node(name)
+        g.add_edges_from((name, target) for target in _imports(name, path, modules))
+    return g
+
+
+def test_every_module_has_a_layer():
+    for name in _modules():
+        _layer(name)  # raises StopIteration for a top-level module no layer names
+
+
+def test_no_import_goes_to_a_layer_on_the_right():
+    wrong = [(a, b) for a, b in _graph().edges if _layer(b) > _layer(a)]
+    assert not wrong, "imports against the layering (module -> module on its right):\n" + "\n".join(f"{a} -> {b}" for a, b in wrong)
+
+
+def test_no_import_cycle():
+    cycles = list(nx.simple_cycles(_graph()))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in cycles)
+
+
+def test_the_checks_see_a_wrong_import(tmp_path):
+    """The rule itself: an import of runtime from the partitioner is caught."""
+    source = "from torchnative.runtime import disk_cache\n"
+    modules = {"torchnative.partitioner.bad": tmp_path / "bad.py", "torchnative.runtime.disk_cache": Path()}
+    (tmp_path / "bad.py").write_text(source)
+    (target,) = _imports("torchnative.partitioner.bad", tmp_path / "bad.py", modules)
+    assert target == "torchnative.runtime.disk_cache" and _layer(target) > _layer("torchnative.partitioner.bad")

@@ -1,0 +1,62 @@
+"""A partition as a graph of its own (what fx's `fuse_by_partitions` does): the parent's values it
+reads become its placeholders, with their roles (weights become its constants), and the values it
+computes that the rest of the parent reads become its outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from torchnative.ir import CapturedGraph, OutputRole, Role, is_weight
+from torchnative.partitioner.partition import Partition
+
+
+@dataclass
+class Subgraph:
+    graph: CapturedGraph
+    reads: list[fx.Node]    # the parent's values it reads, in the order of its placeholders
+    outputs: list[fx.Node]  # the parent's values it computes that others read, in the order of its outputs
+
+
+def written_back(parent: CapturedGraph) -> set[fx.Node]:
+    """Values that are outputs only as a state's new value (a KV cache's counter + 1)."""
+    outputs = parent.outputs()
+    regular = {n for n, role in zip(outputs, parent.output_roles) if role != "state_update"}
+    return {n for n, role in zip(outputs, parent.output_roles) if role == "state_update"} - regular
+
+
+def extract(parent: CapturedGraph, part: Partition, inputs: list[torch.Tensor], only_written_back: set[fx.Node],
+            samples: list[dict[fx.Node, object]] | None = None) -> Subgraph:
+    """`inputs`: the parent's placeholders' values (its weights become the subgraph's constants);
+    `only_written_back`: `written_back(parent)`; `samples`: each node's value in sets of calibration
+    inputs, for a delegate that calibrates."""
+    index = {n: i for i, n in enumerate(parent.placeholders())}
+    inside = set(part.nodes)
+    reads: list[fx.Node] = []
+    for n in part.nodes:
+        for u in n.all_input_nodes:
+            if u not in inside and u not in reads:
+                reads.append(u)
+    outputs = [n for n in part.nodes if any(user not in inside for user in n.users)]
+    g = fx.Graph()
+    env: dict = {}
+    roles: list[Role] = []
+    constants = {}
+    for i in reads:
+        env[i] = g.placeholder(i.name)
+        env[i].meta = dict(i.meta)
+        role = parent.input_roles[index[i]] if i in index else "input"
+        roles.append(role)
+        if is_weight(role):
+            constants[i.name] = inputs[index[i]]
+    for n in part.nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output([env[o] for o in outputs])
+    out_roles: list[OutputRole] = [
+        "written_back" if n in only_written_back and all(u.op == "output" for u in n.users if u not in inside) else "output"
+        for n in outputs]
+    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, out_roles, constants)
+    if samples is not None:
+        sub.samples = [[seen[i] for i in reads] for seen in samples]
+    return Subgraph(sub, reads, outputs)

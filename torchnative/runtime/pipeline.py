@@ -1,0 +1,49 @@
+"""The stages from a captured graph to a program, in order, each an artifact of its own (as
+ExecuTorch's `partition` → `preprocess`): the passes prepare the graph (`passes.prepare`), the
+partitioner plans and lowering compiles each partition (`runtime.lower` → `LoweredGraph`),
+loading makes runners (`runtime.load` → steps), and `Program` assembles them."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from torchnative import events
+from torchnative.delegates.eager import delegate as eager
+from torchnative.interface import Delegate
+from torchnative.ir import CapturedGraph
+from torchnative.partitioner import EAGER
+from torchnative.passes import prepare
+from torchnative.runtime.load import load
+from torchnative.runtime.lower import lower
+from torchnative.runtime.program import Program, Step
+
+
+def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
+                  quantize: str | None = None, keep_artifacts: bool = False,
+                  calibration_sets: Sequence[list[torch.Tensor]] = ()) -> Program:
+    """`inputs`: the captured graph's placeholders' values; `keep_artifacts`: each step keeps its
+    delegate's artifact, to be saved in a bundle; `calibration_sets`: more sets of inputs, for
+    delegates that calibrate on values."""
+    started = time.perf_counter()
+    graph, derived = prepare(captured, inputs, quantize)
+    inputs = inputs + derived.tensors
+    for p, role in zip(graph.placeholders(), graph.input_roles):
+        p.meta["role"] = role  # delegates' supports() may depend on it (a weight is quantized differently)
+    lowered = lower(graph, delegates, inputs, [c + derived.tensors for c in calibration_sets])
+    steps = load(lowered, graph.key, keep_artifacts)
+    if not steps:  # no partitions: the graph runs on eager as it is
+        placeholders = graph.placeholders()
+        steps = [Step(EAGER, graph, placeholders, placeholders, graph.outputs(), eager.load(eager.compile(graph)))]
+    program = Program(captured, graph, steps, derived.tensors, sorted(_baked(graph, steps) | derived.sources),
+                      inputs, lowered.declined)
+    events.emit(events.ProgramBuilt(program, time.perf_counter() - started))
+    return program
+
+
+def _baked(graph: CapturedGraph, steps: list[Step]) -> set[int]:
+    """The params a delegate compiled into its artifact: the program holds only while they do not change."""
+    index = {n: i for i, n in enumerate(graph.placeholders())}
+    return {index[n] for s in steps if s.delegate != EAGER for n in s.reads
+            if n in index and graph.input_roles[index[n]] == "param"}

@@ -1,0 +1,141 @@
+"""Replay of a forward proven stable: its compiled programs run without per-op Python work.
+
+A `Replayer` keeps, per accelerated module, the traces (runtime/trace.py) its recorded calls made,
+by guard key (runtime/guard.py: argument structure and metadata, non-tensor arguments, grad mode,
+training flag). When two consecutive calls with the same guards produced the same trace, later
+calls with those guards replay it: each program runs, each scalar read is checked against the
+recorded one, and a mismatch (Python would have branched differently), a changed weight, or a
+re-registered parameter anywhere falls back to recording the call — the programs run so far wrote
+nothing, so running the call again is safe. Only the last program writes, once every guard held:
+into the tensors an argument object reaches, as the recording did.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchnative import events
+from torchnative.grad import copy_back
+from torchnative.runtime.guard import Snapshot
+from torchnative.runtime.trace import Ineligible, Trace, registrations, resolve
+from torchnative.runtime.tracer import Tracer
+
+
+def _run(trace: Trace, leaves: list) -> Any:
+    """The call's output, or None when a guard fails (then nothing was written)."""
+    if trace.registrations != registrations():
+        return None
+    produced: list[list] = []
+    for step in trace.steps:
+        inputs = step.inputs(leaves, produced)
+        if not step.valid_for(inputs):
+            return None
+        values = step.program(inputs)
+        events.STATS.graph_runs += 1
+        if events.listeners:
+            events.emit(events.GraphRun(step.program.graph, True, 0, step.program.partitions, True, step.program))
+        for j, expected in step.reads:
+            got = values[j].item()
+            if type(got) is not type(expected) or got != expected:
+                return None
+        produced.append(values)
+    last = trace.steps[-1] if trace.steps else None
+    if last is not None and last.writes:  # only the last step writes, after every guard held
+        values = produced[-1]
+        copy_back(last.roots(leaves, produced), values[len(values) - len(last.writes):])
+    out = [resolve(o, leaves, produced) for o in trace.outputs]
+    build = trace.__dict__.get("_build")
+    if build is None:
+        built = pytree.tree_unflatten(out, trace.spec)
+        object.__setattr__(trace, "_build", _builder(trace.spec, out, built))
+        return built
+    return build(out)
+
+
+def _builder(spec: Any, leaves: list, built: Any) -> Callable[[list], Any]:
+    """`pytree.tree_unflatten(·, spec)`, and for a flat transformers ModelOutput something
+    cheaper: its dict items and attributes set directly (its __init__ and __post_init__ took 40 us
+    of a decode step). Used only when it makes exactly what unflattening made of `leaves`: the
+    same items and attributes, each the same object or None; otherwise unflattening it is."""
+    unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
+    cls = spec.type
+    if spec.is_leaf() or not (issubclass(cls, OrderedDict) and dataclasses.is_dataclass(cls)) \
+            or not all(c.is_leaf() for c in spec.children()) or type(built) is not cls:
+        return unflatten
+    keys = list(spec.context)
+    attributes = {}  # attribute -> index of its item, or None
+    for name, value in vars(built).items():
+        same = [j for j, v in enumerate(leaves) if v is value]
+        if value is not None and not same:
+            return unflatten  # something __post_init__ derived
+        attributes[name] = (keys.index(name) if name in keys else same[0]) if value is not None else None
+
+    def build(values: list) -> Any:
+        out = cls.__new__(cls)
+        for k, v in zip(keys, values):
+            OrderedDict.__setitem__(out, k, v)
+        vars(out).update({name: None if j is None else values[j] for name, j in attributes.items()})
+        return out
+
+    again = build(leaves)
+    same = (list(again.keys()) == list(built.keys()) and all(a is b for a, b in zip(again.values(), built.values()))
+            and vars(again).keys() == vars(built).keys() and all(vars(again)[k] is v for k, v in vars(built).items()))
+    return build if same else unflatten
+
+
+@dataclass
+class _Entry:
+    trace: Trace
+    seen: int = 1
+
+
+_KEEP = 16  # traces kept per module: a loop that makes a new cache object per call must not keep them all
+
+
+class Replayer:
+    """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
+
+    def __init__(self, weights: frozenset[int]):
+        self.weights = weights
+        self.entries: dict[tuple, _Entry] = {}
+        self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
+
+    def is_weight(self, x: torch.Tensor) -> bool:
+        return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
+
+    def replay(self, key: tuple, leaves: list) -> tuple[bool, Any]:
+        entry = self.entries.get(key)
+        if entry is None or entry.seen < 2:
+            return False, None
+        out = _run(entry.trace, leaves)
+        if out is None:
+            events.STATS.replay_misses += 1
+            events.emit(events.ReplayOutcome("miss"))
+            return False, None
+        events.STATS.replays += 1
+        if events.listeners:
+            events.emit(events.ReplayOutcome("replayed"))
+        return True, out
+
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any) -> None:
+        try:
+            trace = tracer.trace(leaves, self.is_weight, out)
+        except Ineligible as e:
+            events.STATS.replay_ineligible[str(e)] += 1
+            events.emit(events.ReplayOutcome("ineligible", str(e)))
+            self.entries.pop(key, None)
+            return
+        entry = self.entries.get(key)
+        if entry is not None and entry.trace.same_as(trace):
+            entry.seen += 1
+            entry.trace = trace
+        else:
+            self.entries[key] = _Entry(trace)
+            if len(self.entries) > _KEEP:  # the oldest: a trace holds its argument objects' tensors (a KV cache)
+                del self.entries[next(iter(self.entries))]

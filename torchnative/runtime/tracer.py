@@ -1,0 +1,107 @@
+"""The `Tracer`: it watches one recorded call (runtime/session.py) and describes it as a `Trace`
+(runtime/trace.py), or says why the call is `Ineligible`.
+
+An argument object (a StaticCache) is guarded by identity and Python state (runtime/guard.py); a
+call that changes that state is ineligible; the tensors it reaches are read and, by the last
+program, written back as the recording did. Anything else Python did with tensor data (a random
+op, an eager fallback op, `.tolist()`, a tensor made from Python data) makes the call ineligible;
+the reason is counted in `stats()["replay_ineligible"]`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchnative.runtime.guard import SCALARS, is_plain, object_state
+from torchnative.runtime.trace import GraphCall, Ineligible, Trace, registrations
+
+aten = torch.ops.aten
+_SCALAR_READ = aten._local_scalar_dense.default
+
+
+class Tracer:
+    """Watches one recorded call: the programs it ran and what Python did with their values."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
+        self.reads: list[tuple] = []      # (tensor read, value)
+        self.why: str | None = None
+
+    def ran(self, program: Any, inputs: list, values: list, roots: list) -> None:
+        """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values."""
+        n = len(values) - len(roots)
+        self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
+
+    def eager(self, op: Any, args: tuple, out: Any) -> None:
+        """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""
+        if op is _SCALAR_READ:
+            t = args[0]
+            self.reads.append((t._value if hasattr(t, "_slot") else t, out))
+        else:
+            self.refuse(f"{op if op is not None else 'data read'} ran outside a graph")
+
+    def refuse(self, why: str) -> None:
+        if self.why is None:
+            self.why = why
+
+    def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any) -> Trace:
+        if self.why is not None:
+            raise Ineligible(self.why)
+        where: dict[int, tuple] = {}    # id(tensor) -> source
+        storages: dict[int, tuple] = {}  # storage address -> source of a tensor on that storage
+
+        def known(x: torch.Tensor, src: tuple) -> None:
+            where[id(x)] = src
+            if x.numel():
+                storages.setdefault(x.untyped_storage().data_ptr(), src)
+
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                known(x, ("arg", i))
+            elif type(x) not in SCALARS:  # an object argument (a cache): its tensors, as they are
+                where[id(x)] = ("arg", i)
+                reached: list = []
+                object_state(x, reached)
+                for t in reached:
+                    where.setdefault(id(t), ("const", t))
+
+        def source(x: Any) -> tuple:
+            s = where.get(id(x))
+            if s is not None:
+                return s
+            if not isinstance(x, torch.Tensor):
+                if type(x) in SCALARS:
+                    return ("py", x)
+                raise Ineligible(f"the output holds a {type(x).__name__}")
+            if weights(x) or not x.numel():  # an empty tensor has no data to differ
+                return ("const", x)
+            base = storages.get(x.untyped_storage().data_ptr()) if x.numel() else None
+            if base is not None:  # a view Python took of a graph value (logits = mm(...).view(...))
+                return ("view", base, tuple(x.shape), x.stride(), x.storage_offset())
+            raise Ineligible(f"a graph reads a {x.dtype} tensor of shape {list(x.shape)} made in Python during the call")
+
+        reads: list[list] = [[] for _ in self.runs]
+        produced = {id(v): (k, j) for k, run in enumerate(self.runs) for j, v in enumerate(run[2])}
+        if any(run[3] for run in self.runs[:-1]):
+            raise Ineligible("a graph before the last writes into a real tensor")
+        for t, value in self.reads:
+            if id(t) not in produced:
+                raise Ineligible("Python read a scalar of a tensor that is not a graph output")
+            k, j = produced[id(t)]
+            reads[k].append((j, value))
+        steps = []
+        for k, (program, inputs, values, roots) in enumerate(self.runs):
+            if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+                raise Ineligible("autograd records this call")
+            writes = tuple(source(r) for r in roots)
+            if any(w[0] not in ("arg", "const") for w in writes):
+                raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
+            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes))
+            for j, v in enumerate(values):
+                known(v, ("out", k, j))
+        outputs, spec = pytree.tree_flatten(out)
+        if not is_plain(spec, outputs=True):
+            raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
+        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, registrations())
