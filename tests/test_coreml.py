@@ -40,7 +40,7 @@ def _packages(cache: Path) -> list[bytes]:
 
 
 def test_status_is_truthful_here():
-    status = torchnative.delegates()["coreml"]
+    status = torchnative.availability()["coreml"]
     if ON_MAC:
         assert status.status == "executes"
     else:

@@ -10,35 +10,38 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchnative import events
+from torchnative import events, store
 from torchnative.bundle import Bundle, BundleError
 from torchnative.bundle import load as _load
-from torchnative.delegates import REGISTRY
-from torchnative.interface import Availability
+from torchnative.delegates import REGISTRY as _REGISTRY
 from torchnative.inspector.explain import Explanation
 from torchnative.inspector.explain import explain as _explain
 from torchnative.inspector.profile import Profile, ProfileError
 from torchnative.inspector.profile import profile as _profile
-from torchnative.passes.pin import name_tensors
+from torchnative.interface import Availability
+from torchnative.passes.pin import name_tensors as _name_tensors
 from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
-from torchnative.passes.quantize import KQUANTS, SCHEMES
+from torchnative.passes.quantize import KQUANTS as _KQUANTS
+from torchnative.passes.quantize import SCHEMES as _SCHEMES
 from torchnative.runtime import calibration as _calibration
-from torchnative import store
+from torchnative.runtime.accelerated import accelerated_forward as _accelerated_forward
 from torchnative.runtime.program import CapturedOpError
-from torchnative.runtime.accelerated import accelerated_forward
-from torchnative.runtime.session import session
+from torchnative.runtime.program_cache import COMPILE_AFTER as _COMPILE_AFTER
+from torchnative.runtime.session import session as _session
 from torchnative.shim import LazyTensor
 
-__all__ = ["load", "Bundle", "BundleError", "set_cache_dir", "accelerate", "deaccelerate", "capture", "calibrate", "explain", "stats", "reset_stats", "delegates", "pin", "pinned",
-           "profile", "Profile", "ProfileError", "CapturedOpError", "Explanation", "LazyTensor"]
+# the public surface; every other name here is private (the layers' own modules hold the rest)
+__all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "profile", "pin", "pinned", "stats",
+           "reset_stats", "availability", "load", "set_cache_dir", "Bundle", "BundleError", "Profile", "ProfileError",
+           "CapturedOpError", "Explanation", "Availability", "LazyTensor"]
 __version__ = "0.1.0"
 
 _ORIGINAL = "_torchnative_original_forward"
 
 
 @contextmanager
-def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
+def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COMPILE_AFTER,
             quantize: str | None = None) -> Iterator[None]:
     """Capture every aten op run inside the block.
 
@@ -62,18 +65,18 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = 2,
             with a warning: their backward would run on the float weights autograd saved.
     """
     _check_quantize(quantize)
-    with session(delegates, compile_after=compile_after, quantize=quantize):
+    with _session(delegates, compile_after=compile_after, quantize=quantize):
         yield
 
 
 def _check_quantize(scheme: str | None) -> None:
-    if scheme is not None and scheme not in SCHEMES and scheme not in KQUANTS:
+    if scheme is not None and scheme not in _SCHEMES and scheme not in _KQUANTS:
         raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of "
-                         f"{sorted(SCHEMES | KQUANTS)} or None")
+                         f"{sorted(_SCHEMES | _KQUANTS)} or None")
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
-               replay: bool = True, compile_after: int = 2, quantize: str | None = None) -> torch.nn.Module:
+               replay: bool = True, compile_after: int = _COMPILE_AFTER, quantize: str | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
@@ -92,11 +95,11 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     if _ORIGINAL in model.__dict__:
         return model
     _check_quantize(quantize)
-    name_tensors(model)
+    _name_tensors(model)
     original = model.forward
     model.__dict__[_ORIGINAL] = original
-    model.forward = accelerated_forward(model, original, delegates=delegates, replay=replay,
-                                        compile_after=compile_after, quantize=quantize)
+    model.forward = _accelerated_forward(model, original, delegates=delegates, replay=replay,
+                                         compile_after=compile_after, quantize=quantize)
     return model
 
 
@@ -153,7 +156,7 @@ def pin(x: torch.Tensor | torch.nn.Module) -> None:
     if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError(f"pin() takes a tensor or a module with parameters, not {type(x).__name__}")
     if isinstance(x, torch.nn.Module):
-        name_tensors(x)
+        _name_tensors(x)
     for t in tensors:
         _pin(t, "pinned by torchnative.pin()")
 
@@ -163,10 +166,10 @@ def pinned() -> list[torch.Tensor]:
     return _pinned()
 
 
-def delegates() -> dict[str, Availability]:
+def availability() -> dict[str, Availability]:
     """Every delegate with its status here: `executes`, `compile-only` or `unavailable`, with the
     reason and an install hint when it is not fully usable."""
-    return {name: d.available() for name, d in REGISTRY.items()}
+    return {name: d.available() for name, d in _REGISTRY.items()}
 
 
 def stats() -> dict:

@@ -21,7 +21,7 @@ def delegates() -> None:
     """List every delegate and whether it executes here (and why not, and how to fix it)."""
     import torchnative
 
-    rows = torchnative.delegates()
+    rows = torchnative.availability()
     width = max(map(len, rows))
     for name, a in rows.items():
         detail = "; ".join(x for x in (a.reason, f"install: {a.install_hint}" if a.install_hint and a.status != "executes" else "") if x)

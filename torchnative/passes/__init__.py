@@ -1,6 +1,6 @@
 """CapturedGraph → CapturedGraph passes (DESIGN.md §4), run once when a program is built.
 
-Functionalization is not one of them: the recorder functionalizes at the door (capture/views.py,
+Functionalization is not one of them: the recorder functionalizes at the door (recording/views.py,
 Recorder.inplace/assign), because Python reads a tensor written in place, or a view of it, right
 after the write, and the lazy value it reads must already be the functional result. Every graph
 the passes see is functional, with the real tensors it writes as `state` inputs and outputs; the

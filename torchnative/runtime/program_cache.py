@@ -8,8 +8,8 @@ import warnings
 import torch
 
 from torchnative import events
-from torchnative.capture import reset as forget_recordings
-from torchnative.capture.trie import TrieNode, Signature, build_graph
+from torchnative.recording import reset as forget_recordings
+from torchnative.recording.trie import TrieNode, Signature, build_graph
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
 from torchnative.passes.pin import pin

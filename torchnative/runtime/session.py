@@ -5,8 +5,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
 from torchnative import events
-from torchnative.capture.recorder import Recorder
-from torchnative.capture.trie import TrieNode, Signature
+from torchnative.recording.recorder import Recorder
+from torchnative.recording.trie import TrieNode, Signature
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
 from torchnative.runtime.program_cache import COMPILE_AFTER, program_for

@@ -10,7 +10,7 @@ A LazyTensor is either pending or materialized. A *pending* one has metadata onl
 value (its slot) of the graph being recorded. A *materialized* one holds a real tensor in `_value`
 and behaves like it; a materialized view holds a real alias of its base, so later in-place updates
 are shared as in eager. The LazyTensor is state only; the rules that change it live in
-`torchnative.capture`.
+`torchnative.recording`.
 """
 from __future__ import annotations
 

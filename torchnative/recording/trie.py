@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchnative.capture.meta import meta_tensor
+from torchnative.recording.meta import meta_tensor
 from torchnative.ir import CapturedGraph, Role
 
 INPUT = "input"

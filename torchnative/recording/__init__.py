@@ -1,7 +1,7 @@
 """Lazy recording at the door (`recorder`) into the trie IR (`trie`) and the CapturedGraph."""
 from __future__ import annotations
 
-from torchnative.capture import meta, trie
+from torchnative.recording import meta, trie
 
 
 def reset() -> None:

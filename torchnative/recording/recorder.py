@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torchnative import events
 from torchnative.grad import copy_back
-from torchnative.capture import views
-from torchnative.capture.meta import Unrecordable, infer, meta_of
-from torchnative.capture.ops import _CLASSES, Kind, classify
-from torchnative.capture.trie import INPUT, REFS, ROOT, TrieNode, Ref, Signature, build_graph
+from torchnative.recording import views
+from torchnative.recording.meta import Unrecordable, infer, meta_of
+from torchnative.recording.ops import _CLASSES, Kind, classify
+from torchnative.recording.trie import INPUT, REFS, ROOT, TrieNode, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from torchnative.capture.meta import Unrecordable
+from torchnative.recording.meta import Unrecordable
 
 aten = torch.ops.aten
 
