@@ -51,8 +51,17 @@ class Partitioned:
 
 
 @dataclass(frozen=True)
+class PartitionLowered:
+    """One partition of a program being built has its artifact (or is left to eager); loading
+    its runner comes next (PartitionCompiled)."""
+    graph_key: str
+    index: int
+    total: int                 # partitions in this program
+
+
+@dataclass(frozen=True)
 class PartitionCompiled:
-    """One partition of a program being built is ready (compiled, or left to eager)."""
+    """One partition of a program being built is ready: its runner loaded (or left to eager)."""
     step: Any                  # runtime.program.Step
     graph_key: str
     index: int

@@ -164,7 +164,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
                 tasks[event.graph_key] = progress.add_task(
                     f"compiling graph {len(tasks)}: " + ", ".join(f"{n} {d}" for d, n in parts.items()),
                     total=len(event.partitions))
-            elif isinstance(event, events.PartitionCompiled) and event.graph_key in tasks:
+            elif isinstance(event, events.PartitionLowered) and event.graph_key in tasks:
                 progress.update(tasks[event.graph_key], advance=1)
 
         stop = events.listen(follow)

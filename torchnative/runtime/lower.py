@@ -54,9 +54,10 @@ def lower(graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torc
     events.emit(events.Partitioned(graph.key, tuple((p.delegate, len(p.nodes)) for p in plan.partitions)))
     by_name = {d.name: d for d in delegates}
     lowered = []
-    for p in plan.partitions:
+    for i, p in enumerate(plan.partitions):
         part = extract(graph, p, inputs, only_written_back, samples)
         lowered.append(_lower(by_name[p.delegate], part, graph.key) if p.delegate != EAGER else Lowered(EAGER, part))
+        events.emit(events.PartitionLowered(graph.key, i, len(plan.partitions)))
     return LoweredGraph(lowered, declined, by_name)
 
 
