@@ -25,7 +25,8 @@ from torchnative.passes.pin import pinned as _pinned
 from torchnative.passes.quantize import KQUANTS as _KQUANTS
 from torchnative.passes.quantize import SCHEMES as _SCHEMES
 from torchnative.runtime import calibration as _calibration
-from torchnative.runtime.accelerated import accelerated_forward as _accelerated_forward
+from torchnative.runtime.accelerated import install as _install
+from torchnative.runtime.accelerated import uninstall as _uninstall
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.program_cache import COMPILE_AFTER as _COMPILE_AFTER
 from torchnative.runtime.session import session as _session
@@ -36,9 +37,6 @@ __all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "pro
            "reset_stats", "availability", "load", "set_cache_dir", "Bundle", "BundleError", "Profile", "ProfileError",
            "CapturedOpError", "Explanation", "Availability", "LazyTensor"]
 __version__ = "0.1.0"
-
-_ORIGINAL = "_torchnative_original_forward"
-
 
 @contextmanager
 def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COMPILE_AFTER,
@@ -90,24 +88,19 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
 
     `delegates`, `compile_after` and `quantize` are as in `capture`. Idempotent. Outputs equal
     eager's (with `quantize`, eager's with the dequantized weights); `deaccelerate(model)`
-    restores the original forward.
+    restores the original forward. A copy (`copy.deepcopy`, `pickle`, `torch.save`/`torch.load`
+    with `weights_only=False`) of an accelerated module is accelerated with the same settings,
+    on its own weights, with capture state of its own.
     """
-    if _ORIGINAL in model.__dict__:
-        return model
     _check_quantize(quantize)
     _name_tensors(model)
-    original = model.forward
-    model.__dict__[_ORIGINAL] = original
-    model.forward = _accelerated_forward(model, original, delegates=delegates, replay=replay,
-                                         compile_after=compile_after, quantize=quantize)
+    _install(model, delegates, replay, compile_after, quantize)
     return model
 
 
 def deaccelerate(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `accelerate(model)`; a model that is not accelerated is returned unchanged."""
-    if _ORIGINAL in model.__dict__:
-        del model.__dict__["forward"]
-        del model.__dict__[_ORIGINAL]
+    _uninstall(model)
     return model
 
 

@@ -1,10 +1,17 @@
 """The forward of an accelerated module (`torchnative.accelerate`): each call is replayed
 (runtime/replayer.py) when its guards (runtime/guard.py) match a trace seen twice in a row, else
 recorded in a session (runtime/session.py) that a `Tracer` watches, and the replayer learns what
-the recording did."""
+the recording did.
+
+It is an object in the module's `__dict__`, not a closure: a module that is deep-copied or
+pickled (every TTA library copies the model it adapts; a mean teacher copies it again) carries
+its own forward, bound to the copy's weights with capture state of its own, never the original's.
+"""
 from __future__ import annotations
 
-import functools
+import copy
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,34 +24,84 @@ from torchnative.runtime.tracer import Tracer
 from torchnative.shim import current_handler
 
 
-def accelerated_forward(model: torch.nn.Module, original: Callable, *, delegates: Sequence[str] | None,
-                        replay: bool, compile_after: int, quantize: str | None) -> Callable:
-    """The forward that records (or replays) each call of `model`'s `original` forward; the
-    settings are `accelerate`'s."""
-    buffers = frozenset(id(b) for b in model.buffers())  # weights too, unless a graph writes them
-    replayer = Replayer(buffers)
+@dataclass(frozen=True)
+class Settings:
+    """`accelerate`'s arguments."""
+    delegates: tuple[str, ...] | None
+    replay: bool
+    compile_after: int
+    quantize: str | None
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        key = None
+
+class AcceleratedForward:
+    """Records (or replays) each call of `model`'s forward. `original` is the forward it replaces
+    when that was not the class's own (an instance attribute); None means the class's, looked up
+    on the module each call, so a copy calls its own."""
+
+    def __init__(self, model: torch.nn.Module, original: Callable | None, settings: Settings):
+        self.model, self.original, self.settings = model, original, settings
+        self._replayer: Replayer | None = None  # made at the first call: a copy's tensors exist only then
+        self._lock = threading.Lock()
+
+    @property
+    def __wrapped__(self) -> Callable:  # inspect.signature (transformers' generate asks it) sees the model's forward
+        return self.original if self.original is not None else type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        s = self.settings
+        forward = self.__wrapped__
         # inside a capture the outer session records; while calibrating every call is recorded
-        if replay and current_handler() is None and not _calibration.active():
-            leaves, spec = flatten_call(args, kwargs)
-            key = guard_key(model, leaves, spec, replayer.snapshots)
-        if key is None:
-            with session(delegates, buffers, compile_after=compile_after, quantize=quantize):
-                out = original(*args, **kwargs)
-            return real_outputs(out)  # after the session: its end runs the pending graph
+        if s.replay and current_handler() is None and not _calibration.active():
+            # one call at a time: the replayer's traces and snapshots are one call's view of the module
+            with self._lock:
+                return self._guarded(forward, args, kwargs)
+        with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize):
+            out = forward(*args, **kwargs)
+        return real_outputs(out)  # after the session: its end runs the pending graph
+
+    def _guarded(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        s, replayer = self.settings, self._replay_state()
+        leaves, spec = flatten_call(args, kwargs)
+        key = guard_key(self.model, leaves, spec, replayer.snapshots)
         replayed, out = replayer.replay(key, leaves)
         if replayed:
             return out
         tracer = Tracer()
-        with session(delegates, buffers, tracer, compile_after, quantize):
-            out = original(*args, **kwargs)
+        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize):
+            out = forward(*args, **kwargs)
         out = real_outputs(out)
-        if guard_key(model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
+        if guard_key(self.model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
             tracer.refuse("the call changed the Python state of an argument object")
         replayer.learn(key, tracer, leaves, out)
         return out
 
-    return forward
+    def _replay_state(self) -> Replayer:
+        if self._replayer is None:  # buffers are weights too, unless a graph writes them
+            self._replayer = Replayer(frozenset(id(b) for b in self.model.buffers()))
+        return self._replayer
+
+    def __reduce__(self):
+        # pickled as what it is made of: a copy gets a replayer (and lock) of its own
+        return AcceleratedForward, (self.model, self.original, self.settings)
+
+    def __deepcopy__(self, memo: dict) -> "AcceleratedForward":
+        return AcceleratedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo), self.settings)
+
+
+def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int,
+            quantize: str | None) -> None:
+    """Make `model.forward` an AcceleratedForward (once: a second call changes nothing)."""
+    if isinstance(model.__dict__.get("forward"), AcceleratedForward):
+        return
+    original = model.__dict__.get("forward")  # an instance's own forward (another wrapper), kept
+    settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize)
+    model.forward = AcceleratedForward(model, original, settings)
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Give `model` back the forward it had before `install`."""
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, AcceleratedForward):
+        del model.__dict__["forward"]
+        if forward.original is not None:
+            model.forward = forward.original

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.grad import no_grad
+from torchnative.grad import no_grad, writes
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Artifact
 from torchnative.ir import CapturedGraph
@@ -22,6 +22,15 @@ from torchnative.partitioner import EAGER
 
 class CapturedOpError(RuntimeError):
     """An op of a captured graph failed when the graph ran."""
+
+
+def baked_state(t: torch.Tensor) -> tuple[int, int, int]:
+    """What a tensor a program baked in must still be: not written in place (its version), not
+    written as state by a captured graph (which leaves the version as eager's kernels do:
+    BatchNorm's running stats in train mode), and not given other memory (`p.data = new`,
+    `set_`: the version does not move; delegates that take weights by address, as ONNX Runtime
+    does, would read the old memory)."""
+    return t._version, writes(t), t.data_ptr()
 
 
 @dataclass
@@ -59,7 +68,10 @@ class Program:
         prepared graph's, `extra` included) that a delegate baked in or a pass computed from;
         `declined`: (op, delegate, reason) of every node a delegate declined."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
-        self.baked = [(i, weakref.ref(inputs[i]), inputs[i]._version) for i in baked]
+        self.baked = [(i, weakref.ref(inputs[i]), baked_state(inputs[i])) for i in baked]
+        # their memory, held: another tensor given it (a new weight of the same size, after `p.data =`
+        # freed this one's) would pass a check of its address
+        self._held = [inputs[i].untyped_storage() for i in baked]
         self._placeholders, self._outputs = graph.placeholders(), graph.outputs()
         whole = len(steps) == 1 and steps[0].graph is graph  # no partitions: the graph runs as it is
         self.run_fn: Callable = steps[0].run if whole else self._run_steps
@@ -68,18 +80,19 @@ class Program:
 
     def stale(self) -> bool:
         """A baked param is gone or has changed since: this program can never run again."""
-        return any((t := ref()) is None or t._version != version for _, ref, version in self.baked)
+        return any((t := ref()) is None or baked_state(t) != state for _, ref, state in self.baked)
 
     def valid_for(self, inputs: list[torch.Tensor]) -> bool:
         """Baked params must be the same tensors, unchanged since they were baked."""
-        for i, ref, version in self.baked:
-            if inputs[i] is not ref() or inputs[i]._version != version:
+        for i, ref, state in self.baked:
+            if inputs[i] is not ref() or baked_state(inputs[i]) != state:
                 return False
         return True
 
     def changed(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Baked params that are the same tensors as when baked, written since (updated at test time)."""
-        return [inputs[i] for i, ref, version in self.baked if inputs[i] is ref() and inputs[i]._version != version]
+        """Baked params that are the same tensors as when baked, written or given other memory since
+        (updated at test time: an EMA teacher's `p.data = ...`)."""
+        return [inputs[i] for i, ref, state in self.baked if inputs[i] is ref() and baked_state(inputs[i]) != state]
 
     def _count(self) -> None:
         """(delegate, ops) per step, kept: every run's GraphRun event carries it."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from torchnative.runtime.program import baked_state
+
 # Bumped whenever any module (re)registers a parameter or buffer: a replayed trace holds the old
 # tensors, so it must not outlive them.
 _registrations = 0
@@ -61,10 +63,10 @@ class GraphCall:
         object.__setattr__(self, "_template", [s[1] if s[0] == "const" else None for s in self.sources])
         object.__setattr__(self, "_resolved", [(k, s) for k, s in enumerate(self.sources) if s[0] != "const"])
         # the params the program baked, when the trace holds each as a "const" (it always runs
-        # with them): a run checks their versions alone, in one pass (148 in a GPT-2 step)
+        # with them): a run checks their versions and addresses alone, in one pass (148 in a GPT-2 step)
         baked = self.program.baked
         held = all(self.sources[i][0] == "const" and self.sources[i][1] is ref() for i, ref, _ in baked)
-        object.__setattr__(self, "_baked", ([self.sources[i][1] for i, _, _ in baked], [v for _, _, v in baked]) if held else None)
+        object.__setattr__(self, "_baked", ([self.sources[i][1] for i, _, _ in baked], [s for _, _, s in baked]) if held else None)
         roots = [w[1] for w in self.writes if w[0] == "const"]
         object.__setattr__(self, "_roots", roots if len(roots) == len(self.writes) else None)
 
@@ -78,8 +80,8 @@ class GraphCall:
         """The program's `valid_for`: its baked params unchanged."""
         if self._baked is None:
             return self.program.valid_for(inputs)
-        tensors, versions = self._baked
-        return [t._version for t in tensors] == versions
+        tensors, states = self._baked
+        return list(map(baked_state, tensors)) == states
 
     def roots(self, leaves: list, produced: list) -> list:
         """The real tensors this step's trailing values are copied into."""
