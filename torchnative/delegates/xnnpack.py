@@ -11,17 +11,17 @@ import torch.fx as fx
 
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
+from torchnative.quiet import quiet_import
 
 _HINT = "pip install executorch==1.5.1"
 # our Core ATen view ops are the Edge dialect's *_copy ops
 _EDGE_NAMES = {"view": "view_copy", "permute": "permute_copy", "unsqueeze": "unsqueeze_copy",
                "slice": "slice_copy", "_to_copy": "_to_dim_order_copy"}
-
-
 @functools.cache
 def _targets() -> frozenset[str]:
     """Edge op names ("addmm.default") that some XNNPACK partitioner config takes."""
-    from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    with quiet_import():
+        from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 
     names = set()
     for config in ALL_PARTITIONER_CONFIGS:
@@ -93,8 +93,9 @@ class Xnnpack:
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import to_edge_transform_and_lower
+        with quiet_import():
+            from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+            from executorch.exir import to_edge_transform_and_lower
 
         exported = graph.to_exported_program()
         with warnings.catch_warnings():
@@ -106,7 +107,8 @@ class Xnnpack:
         return Artifact(self.name, bytes(program.buffer), {"n_inputs": n_inputs, "n_outputs": len(graph.output_roles)})
 
     def load(self, artifact: Artifact) -> Runner:
-        from executorch.runtime import Runtime
+        with quiet_import():
+            from executorch.runtime import Runtime
 
         payload = artifact.payload
         program = Runtime.get().load_program(payload)
