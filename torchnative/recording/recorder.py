@@ -28,6 +28,7 @@ from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
+_no_data = torch._C._set_throw_on_mutable_data_ptr
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
 _RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ = (
@@ -66,10 +67,19 @@ def _any_pending(args: tuple, kwargs: dict) -> bool:
     return False
 
 
+def _pending(shape, stride, offset: int, dtype: torch.dtype) -> LazyTensor:
+    """A wrapper with metadata only. Its storage has no memory, so C++ that reads a tensor's data
+    without passing the door (`torch.utils.dlpack.to_dlpack`, or a real tensor's `numpy()`, whose
+    inner `detach` the door records) raises instead of reading through a null pointer."""
+    t = _make(LazyTensor, shape, stride, offset, None, dtype)
+    _no_data(t)
+    return t
+
+
 def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
     """Give the wrapper `dst` the shape/stride of `like`, keeping its Python identity."""
     with torch.no_grad():
-        dst.data = _make(LazyTensor, like.shape, like.stride(), like.storage_offset(), None, like.dtype)
+        dst.data = _pending(like.shape, like.stride(), like.storage_offset(), like.dtype)
 
 
 class Recorder:
@@ -202,7 +212,7 @@ class Recorder:
         live = self.live
         if not node.sequence:
             shape, stride, offset, dtype = node.out_metas[0]
-            t = _make(LazyTensor, shape, stride, offset, None, dtype)
+            t = _pending(shape, stride, offset, dtype)
             t._slot = node.out_slots[0]
             if is_view:
                 self.mark_view(t, op, args, kwargs)
@@ -213,7 +223,7 @@ class Recorder:
             if m is None:
                 outs.append(None)
                 continue
-            t = _make(LazyTensor, m[0], m[1], m[2], None, m[3])
+            t = _pending(m[0], m[1], m[2], m[3])
             t._slot = slot
             live.append(_wref(t))
             outs.append(t)
@@ -415,7 +425,5 @@ class Recorder:
             torch._C._autograd._unsafe_set_version_counter(roots, versions)
         for t in pviews:
             base = t._vbase
-            v = base._value if type(base) is LazyTensor else base
-            for vop, rest, kw in t._vchain:
-                v = vop(v, *rest, **kw)
+            v = views.materialize(base._value if type(base) is LazyTensor else base, t._vchain)
             t._value, t._slot, t._vbase, t._vchain = v, -1, None, None

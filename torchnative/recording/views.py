@@ -34,6 +34,18 @@ def apply(call: Callable, base, chain: Chain):
     return v
 
 
+def _call(op, args: tuple, kwargs: dict):
+    return op(*args, **kwargs)
+
+
+def materialize(base: torch.Tensor, chain: Chain) -> torch.Tensor:
+    """The chain's views of the real `base`, registered as views of it (`_base`) even when a cut
+    inside the dispatcher runs this, below the ADInplaceOrView key that registers them: the
+    recorder finds the aliases of a real tensor, to see writes through them, by `_base`."""
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return apply(_call, base, chain)
+
+
 def _inverse(call: Callable, op, rest, kwargs, before, src):
     scatter = _SCATTERS.get(op)
     if scatter is not None:

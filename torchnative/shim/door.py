@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 Handler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
@@ -104,21 +105,39 @@ class LazyTensor(torch.Tensor):
             )
         return self._value
 
+    def _read(self, call: str, read: Callable[[torch.Tensor], Any]) -> Any:
+        """`read(value)` on the real tensor behind this one, as eager would run it on this tensor.
+
+        The door stays out of the read: the C++ of `numpy()` and friends dispatches ops of its
+        own (`detach`), which the door would record as pending tensors with no memory behind
+        them. The value carries no autograd history: a tensor that requires grad is read as a
+        leaf that does, so that `numpy()` and DLPack export refuse it as eager does.
+        """
+        value = self.materialize(call)
+        with torch.utils._python_dispatch._disable_current_modes():
+            if self.requires_grad:
+                value = value.detach().requires_grad_()
+            return read(value)
+
     def tolist(self) -> Any:
-        return self.materialize(".tolist()").tolist()
+        return self._read(".tolist()", torch.Tensor.tolist)
 
     def numpy(self, *, force: bool = False):
-        return self.materialize(".numpy()").numpy(force=force)
+        return self._read(".numpy()", lambda v: v.numpy(force=force))
 
     def __array__(self, dtype=None, copy=None):
-        arr = self.materialize("__array__").numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        # eager's __array__ is `numpy()` and takes no `copy`, so numpy applies `copy` itself;
+        # np.array applies it alike (a copy=True array never shares the tensor's memory)
+        return np.array(self._read("__array__", torch.Tensor.numpy), dtype=dtype, copy=copy)
+
+    def __dlpack__(self, **kwargs):
+        return self._read("__dlpack__", lambda v: v.__dlpack__(**kwargs))
 
     def data_ptr(self) -> int:
-        return self.materialize(".data_ptr()").data_ptr()
+        return self._read(".data_ptr()", torch.Tensor.data_ptr)
 
     def untyped_storage(self):
-        return self.materialize(".untyped_storage()").untyped_storage()
+        return self._read(".untyped_storage()", torch.Tensor.untyped_storage)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return repr(self.materialize("repr/print"))
