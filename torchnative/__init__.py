@@ -119,14 +119,21 @@ def calibrate() -> AbstractContextManager[None]:
     return _calibration.calibrate()
 
 
-def explain(fn: Callable, *args: Any, **kwargs: Any) -> Explanation:
+def explain(fn: Callable, *args: Any, check: bool = False, **kwargs: Any) -> Explanation:
     """Run `fn(*args, **kwargs)` under capture and report what was captured.
 
     Returns an Explanation with `graphs` (CapturedGraphs; `.ops()` lists each one's ops),
     `breaks` (reason, op, filename, line of each graph break), `fallbacks` (delegate and reason
     of each partition that failed to compile or run and ran on eager), `op_counts` and `output`.
+
+    With `check=True`, every run of a delegate's partition is compared with the partition's own
+    graph run on eager on the same inputs (no second run of `fn`): `gaps` holds one
+    `PartitionGap` per partition (delegate, ops, source lines, max abs and max rel error of each
+    output, the worst over its runs, and whether it `diverges`), and the text shows them. Each
+    partition is checked on the inputs it was given, so the one that diverges is the one whose
+    gap is not ~0, whatever runs after it.
     """
-    return _explain(fn, *args, **kwargs)
+    return _explain(fn, *args, check=check, **kwargs)
 
 
 def profile() -> AbstractContextManager[Profile]:

@@ -8,6 +8,8 @@ from typing import Any, Callable
 import torch
 
 from torchnative import events
+from torchnative.inspector.numeric_gap import Checker, PartitionGap
+from torchnative.inspector.report import short_path
 from torchnative.ir import CapturedGraph
 from torchnative.passes.pin import name_tensors, updatable
 
@@ -19,6 +21,8 @@ class Explanation:
     programs: list = field(default_factory=list)           # per graph: its runtime.program.Program
     breaks: list[events.GraphBreak] = field(default_factory=list)
     fallbacks: list[events.Fallback] = field(default_factory=list)
+    # with check=True: each delegate partition that ran, against eager on the same inputs
+    gaps: list[PartitionGap] = field(default_factory=list)
     output: Any = None
 
     @property
@@ -51,23 +55,46 @@ class Explanation:
             lines.append(f"  fallback from {f.delegate} to eager: {f.reason}")
         top = ", ".join(f"{op.split('.')[1]}×{n}" for op, n in self.op_counts.most_common(8))
         lines.append(f"  top ops: {top}")
+        if self.gaps:
+            diverged = sum(g.diverges for g in self.gaps)
+            lines.append(f"  numeric gap vs eager of {len(self.gaps)} delegate partition(s) on the inputs each was given, "
+                         f"{diverged} diverging:")
+            lines += [_gap_line(g) for g in self.gaps]
         return "\n".join(lines)
+
+
+def _gap_line(g: PartitionGap) -> str:
+    worst = g.worst
+    line = (f"    {'DIVERGES ' if g.diverges else ''}{g.id} ({g.n_ops} ops, {g.runs} run(s)): "
+            f"max abs {g.max_abs:.3g}, max rel {g.max_rel:.3g}")
+    if worst is not None and worst.max_abs > 0:
+        where = f" at {short_path(*worst.stack)}" if worst.stack[1] else ""
+        line += f", worst output {worst.name} ({worst.op}{where})"
+    return line + "; ops from " + ", ".join(f"{short_path(f, n)} ({k})" for f, n, k in g.sources[:3])
 
 
 def _roles(roles: list[str]) -> str:
     return ", ".join(f"{n} {r}" for r, n in Counter(roles).items()) or "none"
 
 
-def explain(fn: Callable, *args, **kwargs) -> Explanation:
-    """Run fn under capture (inside an enclosing `capture(delegates=...)`, with its delegates)."""
+def explain(fn: Callable, *args, check: bool = False, **kwargs) -> Explanation:
+    """Run fn under capture (inside an enclosing `capture(delegates=...)`, with its delegates).
+    `check`: each delegate partition's outputs are compared with its graph run on eager on the
+    same inputs, on every run (`Explanation.gaps`)."""
     from torchnative.runtime.session import session  # the inspector only listens; this runs fn
 
     result = Explanation()
     if isinstance(fn, torch.nn.Module):
         name_tensors(fn)  # reports name its parameters and buffers
 
+    checker = Checker() if check else None
+    if checker is not None:
+        checker.watch_cached()
+
     def on_event(e: Any) -> None:
-        if isinstance(e, events.GraphRun):
+        if checker is not None and isinstance(e, events.ProgramBuilt):
+            checker.watch(e.program)
+        elif isinstance(e, events.GraphRun):
             result.graphs.append(e.graph)
             result.partitions.append(e.partitions)
             result.programs.append(e.program)
@@ -82,4 +109,6 @@ def explain(fn: Callable, *args, **kwargs) -> Explanation:
             result.output = fn(*args, **kwargs)
     finally:
         stop()
+        if checker is not None:
+            result.gaps = checker.close()
     return result

@@ -28,7 +28,7 @@ def _percentile(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def _sources(graph: Any) -> list[list]:
+def source_lines(graph: Any) -> list[list]:
     """User source lines of a graph's ops, most ops first: [file, line, ops]."""
     counts = Counter(tuple(n.meta.get("stack") or ("<unknown>", 0)) for n in graph.op_nodes())
     return [[f, line, k] for (f, line), k in counts.most_common()]
@@ -80,7 +80,7 @@ class Collector:
             part = self.partitions[(key, index, step.delegate)] = {
                 "id": f"{key[:12]}#{index}/{step.delegate}", "graph": key[:12], "index": index, "delegate": step.delegate,
                 "n_ops": len(step.graph.op_nodes()), "ops": dict(step.graph.op_counts()),
-                "sources": _sources(step.graph), "compile_s": step.compile_s,
+                "sources": source_lines(step.graph), "compile_s": step.compile_s,
                 "artifact_bytes": step.artifact_bytes, "times": []}
         return part
 

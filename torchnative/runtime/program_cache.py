@@ -76,6 +76,11 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     return p, False
 
 
+def programs() -> list[Program]:
+    """Every program in the cache (the inspector's numeric check watches them)."""
+    return [p for candidates in _programs.values() for p in candidates]
+
+
 def clear_caches() -> None:
     """Forget every compiled program, recorded trie path and inferred shape (a cold start)."""
     _programs.clear()
