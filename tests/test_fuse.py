@@ -126,3 +126,64 @@ def test_onnx_runtime_runs_rmsnorm_and_rope_as_its_kernels(monkeypatch):
     # every RMSNorm and every q/k rotation
     assert (kinds.count("RMSNormalization"), kinds.count("RotaryEmbedding")) == (5, 4)
     assert torchnative.stats()["fused"] == {"rms_norm": 5, "rope": 4} and not torchnative.stats()["fallbacks"]
+
+
+def _on_ort(f):
+    """f's result and partitions under ort, compiled at once; eager's result."""
+    with torch.no_grad():
+        expected = f()
+        torchnative.reset_stats()
+        with torchnative.capture(["ort"], compile_after=1):
+            e = torchnative.explain(f)
+    return e, expected
+
+
+def _halves_rope(x, freqs, dtype):
+    t = torch.cat([freqs, freqs], -1)
+    return _rotate(x, t.cos().to(dtype), t.sin().to(dtype))
+
+
+@pytest.mark.parametrize("x_dtype, table_dtype", [(torch.float32, torch.int64), (torch.float32, torch.float64),
+                                                  (torch.float16, torch.float32), (torch.float64, torch.float64)])
+def test_rope_is_not_fused_where_its_kernel_takes_other_types(x_dtype, table_dtype):
+    """RotaryEmbedding binds x, cos and sin to one type, float16/32 or bfloat16: a model that casts
+    cos and sin to its ids' dtype (int64) computes x · cos in float32, and the fused node ONNX
+    Runtime rejected sent its whole partition to eager. The ops stay, and ort runs them."""
+    x, freqs = torch.randn(1, 2, 5, 8, dtype=x_dtype), torch.randn(1, 1, 5, 4) * 3
+    e, expected = _on_ort(lambda: _halves_rope(x, freqs, table_dtype))
+    assert torchnative.stats()["fused"] == {} and not torchnative.stats()["fallbacks"]
+    assert [d for parts in e.partitions for d, _ in parts] == ["ort"], e
+    torch.testing.assert_close(e.output, expected)
+
+
+def test_rope_whose_cos_broadcasts_past_x_is_not_fused():
+    """The fused kernel's result is shaped like x; cos of a larger batch makes the ops' larger."""
+    x, freqs = torch.randn(1, 2, 5, 8), torch.randn(3, 1, 5, 4)
+    e, expected = _on_ort(lambda: _halves_rope(x, freqs, torch.float32))
+    assert torchnative.stats()["fused"] == {} and not torchnative.stats()["fallbacks"]
+    assert e.output.shape == (3, 2, 5, 8)
+    torch.testing.assert_close(e.output, expected)
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, fused", [(torch.float16, torch.float32, {}), (torch.float32, torch.float64, {}),
+                                                     (torch.float64, torch.float64, {"rms_norm": 1})])
+def test_rmsnorm_is_fused_only_when_x_and_weight_share_a_float_type(x_dtype, w_dtype, fused):
+    """The composite's result has x's type; weight · x of another type promotes past it (ONNX
+    Runtime rejected the fused node's output type)."""
+    x, w = torch.randn(2, 3, 16, dtype=x_dtype), torch.rand(16, dtype=w_dtype)
+    e, expected = _on_ort(lambda: w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)))
+    assert torchnative.stats()["fused"] == fused and not torchnative.stats()["fallbacks"]
+    assert [d for parts in e.partitions for d, _ in parts] == ["ort"], e
+    tolerance = {"rtol": 2e-3, "atol": 2e-3} if x_dtype == torch.float16 else {}  # float16 within, float32 out
+    torch.testing.assert_close(e.output, expected, **tolerance)
+
+
+def test_gelu_of_integers_is_not_fused(fusing):
+    """The tanh pattern of an int64 x computes in float32; the fused Gelu takes floats only."""
+    x = torch.arange(-4, 5)
+    gelu = lambda t: t * 0.5 * (1.0 + torch.tanh(0.7978845608028654 * (t + torch.pow(t, 3.0) * 0.044715)))  # noqa: E731
+    torchnative.reset_stats()
+    with torch.no_grad(), torchnative.capture(fusing, compile_after=1):
+        got = gelu(x) + 0
+    assert torchnative.stats()["fused"] == {} and not torchnative.stats()["fallbacks"]
+    assert torch.equal(got, gelu(x))

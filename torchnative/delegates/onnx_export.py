@@ -1,12 +1,14 @@
 """A CapturedGraph as an ONNX model, for the delegates that run ONNX (ort, qnn): torch.onnx's
 torchlib translation of its ExportedProgram, with our own translations where torchlib's is slow or
 missing (the composites of passes.fuse, attention over a KV cache or grouped KV heads, index_put
-as one ScatterND for passes.state), the opset, and which aten ops torchlib translates at all."""
+as one ScatterND for passes.state, var and var_mean), the opset, and which aten ops the export
+translates at all."""
 from __future__ import annotations
 
 import functools
 import logging
 import math
+import operator
 import warnings
 
 import torch
@@ -14,6 +16,7 @@ import torch.fx as fx
 
 from torchnative.ir import CapturedGraph
 from torchnative.passes.fuse import gelu_tanh_op, rms_norm_op, rope_op
+from torchnative.recording.ops import DECOMPOSITIONS, KEPT_WHOLE
 
 SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _COMPOSITE_OPS = {rms_norm_op, rope_op, gelu_tanh_op}
@@ -38,6 +41,25 @@ def slice_write(node: fx.Node) -> bool:
 _OURS = {torch.ops.aten.index_put.default: slice_write, **{sdpa: _cache_or_grouped_attention for sdpa in SDPA}}
 
 
+
+def _float64(node: fx.Node) -> bool:
+    return node.meta["val"].dtype == torch.float64
+
+
+def _total_weight_read(node: fx.Node) -> bool:
+    return any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
+
+
+# Ops the door keeps whole (recording.ops.KEPT_WHOLE) whose torchlib translation fails some nodes:
+# a graph with such a node is decomposed for these ops, as the door would have recorded it
+_DECOMPOSED_WHERE = {
+    torch.ops.aten.softplus.default: _float64,  # ONNX Runtime has no float64 Softplus kernel
+    torch.ops.aten.mish.default: _float64,  # ONNX defines Mish with Softplus
+    # torchlib's total_weight (which nll_loss_backward divides by) is the output's size, not a sum of weights
+    torch.ops.aten.nll_loss_forward.default: _total_weight_read,
+}
+
+
 @functools.cache
 def torchlib_registry():
     from torch.onnx._internal.exporter import _registration
@@ -49,7 +71,8 @@ def torchlib_registry():
 @functools.cache
 def _translations() -> dict:
     """Our ONNX translations: the composites (passes.fuse) ONNX Runtime runs as one kernel
-    (opset 23); attention and index_put where torchlib's are slow or missing (see _OURS)."""
+    (opset 23); attention and index_put where torchlib's are slow or missing (see _OURS); var and
+    var_mean, which torchlib does not translate."""
     import numpy
     import onnx
     from onnxscript import opset23 as op
@@ -113,13 +136,63 @@ def _translations() -> dict:
         return op18.ScatterND(data, where, op18.Expand(values, ints([*lead, *data.shape[dim + 1:]])),
                               reduction="add" if accumulate else "none")
 
+    # gradients the exporter cannot decompose (their CompositeImplicitAutograd kernels hide torch's
+    # decomposition from it), in the op order of that decomposition
+    def silu_backward(grad, x):
+        sigmoid = op18.Sigmoid(x)
+        one = op18.CastLike(op18.Constant(value_float=1.0), x)
+        return op18.Mul(op18.Mul(grad, sigmoid), op18.Add(one, op18.Mul(x, op18.Sub(one, sigmoid))))
+
+    def mish_backward(grad, x):
+        one = op18.CastLike(op18.Constant(value_float=1.0), x)
+        tanh_softplus = op18.Tanh(op18.Log(op18.Add(op18.Exp(x), one)))  # not Softplus: no float64 kernel
+        out = op18.Mul(op18.Mul(x, op18.Sigmoid(x)), op18.Sub(one, op18.Mul(tanh_softplus, tanh_softplus)))
+        return op18.Mul(grad, op18.Add(tanh_softplus, out))
+
+    def moments(x, dim, correction, keepdim: bool):
+        # as torch's kernel: the squared deviations from the mean summed, over max(0, n - correction)
+        # (torchlib registers none; its unregistered one rescales the mean square, one rounding
+        # more, counts dim=[] as one element, and lets n - correction go negative)
+        rank = len(x.shape)
+        axes = ints([d % rank for d in dim] if dim and rank else list(range(rank)))
+        given = x
+        if x.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):  # torch accumulates them in float32
+            x = op18.Cast(x, to=ir.DataType.FLOAT)
+        n = op18.CastLike(op18.ReduceProd(op18.Gather(op18.Shape(x), axes), keepdims=0), x)
+        mean = op18.Div(op18.ReduceSum(x, axes, keepdims=1), n)  # not ReduceMean: nan over no elements, as torch's
+        deviation = op18.Sub(x, mean)
+        total = op18.ReduceSum(op18.Mul(deviation, deviation), axes, keepdims=int(keepdim))
+        left = op18.Sub(n, op18.CastLike(op18.Constant(value_float=1.0 if correction is None else float(correction)), x))
+        var = op18.Div(total, op18.Max(left, op18.CastLike(op18.Constant(value_float=0.0), x)))
+        if not keepdim and rank:
+            mean = op18.Squeeze(mean, axes)
+        if x is not given:
+            var, mean = op18.CastLike(var, given), op18.CastLike(mean, given)
+        return var, mean
+
+    def var(x, dim=None, correction=None, keepdim: bool = False):
+        return moments(x, dim, correction, keepdim)[0]
+
+    def var_mean(x, dim=None, correction=None, keepdim: bool = False):
+        return moments(x, dim, correction, keepdim)
+
     ints = lambda v: op18.Constant(value_ints=v)  # noqa: E731
+    from onnxscript import ir
     from onnxscript import opset18 as op18  # torchlib's opset: up-converts to the graph's
     from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
     from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
 
     return {rms_norm_op: rms_norm, gelu_tanh_op: gelu_tanh, rope_op: rope, torch.ops.aten.index_put.default: index_put,
+            torch.ops.aten.var.correction: var, torch.ops.aten.var_mean.correction: var_mean,
+            torch.ops.aten.silu_backward.default: silu_backward, torch.ops.aten.mish_backward.default: mish_backward,
             **{sdpa: attention for sdpa in SDPA}}
+
+
+def translated(op: torch._ops.OpOverload) -> bool:
+    """Does the export translate op? torchlib's or our translation; or, for an op the door keeps
+    whole that torchlib lacks (recording.ops.KEPT_WHOLE), the exporter's own decomposition of it
+    with torch's table: the ops the door would otherwise have recorded."""
+    return torchlib_registry().is_registered(op) or op in _translations() or op in KEPT_WHOLE
 
 
 def to_onnx(graph: CapturedGraph):
@@ -133,5 +206,7 @@ def to_onnx(graph: CapturedGraph):
     exported = graph.to_exported_program()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
+            exported = exported.run_decompositions({op: DECOMPOSITIONS[op] for op in _DECOMPOSED_WHERE})
         return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else None,
                                  custom_translation_table=table).model_proto

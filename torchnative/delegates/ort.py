@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.delegates.base import tensors
-from torchnative.delegates.onnx_export import SDPA, slice_write, to_onnx, torchlib_registry
+from torchnative.delegates.onnx_export import SDPA, slice_write, to_onnx, translated
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.fuse import COMPOSITES
@@ -26,6 +26,11 @@ _INDEX_PUT = torch.ops.aten.index_put.default
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
                     "aminmax", "view_as_complex", "view_as_real", "complex", "polar"})
 _REDUCTIONS = frozenset({"amax", "amin", "logsumexp", "max", "min", "argmax", "argmin"})
+# Equal values come out of torch's CPU topk and unstable sort in the order its selection
+# (std::nth_element, partial_sort, an unstable sort) leaves them, out of ONNX's TopK lower index
+# first: with ties the indices differ (RT-DETR's query selection over equal scores gathered other
+# queries). The values alone are the same in any order.
+_TIE_ORDER = frozenset({torch.ops.aten.topk.default, torch.ops.aten.sort.default})
 
 
 def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
@@ -69,8 +74,8 @@ class OnnxRuntime:
             return YES
         if not isinstance(node.target, torch._ops.OpOverload):
             return Support(False, f"{node.target} is not an aten op")
-        if not torchlib_registry().is_registered(node.target):
-            return Support(False, f"no ONNX translation of {node.target} in torchlib")
+        if not translated(node.target):
+            return Support(False, f"no ONNX translation of {node.target}: torchlib has none, nor onnx_export")
         name = node.target._schema.name.split("::")[1]
         if name in _WRONG or name.startswith(("special_", "linalg_", "_linalg_", "_fft_")):
             return Support(False, f"torchlib's translation of {node.target} disagrees with eager (OpInfo sweep)")
@@ -81,6 +86,10 @@ class OnnxRuntime:
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
+        if node.target in _TIE_ORDER and any(u.target is operator.getitem and u.args[1] == 1 and u.users
+                                             for u in node.users):
+            return Support(False, f"{node.target}'s indices: torch orders equal values as its CPU kernel's selection "
+                                  "leaves them, ONNX TopK by lower index first; with ties the indices differ")
         if node.target in SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
                                   "logsumexp that autograd saves (the call runs with grad enabled)")

@@ -120,7 +120,7 @@ _RMS = (aten.mul.Tensor, "$w", (aten.mul.Tensor, "$x", (aten.rsqrt.default, (ate
 def _rms_norm(env: dict):
     x, w, eps = env["$x"], env["$w"], env["$eps"]
     xv, wv = _val(x), _val(w)
-    if xv is None or wv is None or not isinstance(eps, float) or wv.shape != xv.shape[-1:] or not xv.is_floating_point():
+    if xv is None or wv is None or not isinstance(eps, float) or xv.dim() == 0 or wv.shape != xv.shape[-1:]:
         return None
     return rms_norm_op, (x, w, eps)
 
@@ -131,8 +131,7 @@ _GELU = (aten.mul.Tensor, (aten.mul.Tensor, "$x", 0.5), (aten.add.Tensor, (aten.
 
 
 def _gelu(env: dict):
-    xv = _val(env["$x"])
-    return (gelu_tanh_op, (env["$x"],)) if xv is not None and xv.is_floating_point() else None
+    return gelu_tanh_op, (env["$x"],)
 
 
 _ROPE = (aten.add.Tensor, (aten.mul.Tensor, "$x", "$cos"), (aten.mul.Tensor, (aten.cat.default, [
@@ -188,14 +187,30 @@ gelu_tanh_op = torch.ops.torchnative.gelu_tanh.default
 class Composite:
     pattern: tuple
     build: Callable[[dict], tuple | None]  # bound pattern → (op, args), or None when the match does not qualify
+    dtypes: frozenset  # what its fused kernel computes in: every tensor operand has one of them, the same
 
+
+# ONNX's type constraints: RMSNormalization and Gelu take float16/32/64 and bfloat16, RotaryEmbedding
+# no float64 (ONNX Runtime rejects the model)
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 # the composites by the name delegates ask for them
 COMPOSITES: dict[str, Composite] = {
-    "rms_norm": Composite(_RMS, _rms_norm),
-    "rope": Composite(_ROPE, _rope),
-    "gelu_tanh": Composite(_GELU, _gelu),
+    "rms_norm": Composite(_RMS, _rms_norm, _FLOATS),
+    "rope": Composite(_ROPE, _rope, _FLOATS - {torch.float64}),
+    "gelu_tanh": Composite(_GELU, _gelu, _FLOATS),
 }
+
+
+def _qualifies(root: fx.Node, args: tuple, c: Composite) -> bool:
+    """Does the fused kernel compute what the match does? Each composite's result is shaped and
+    typed like its first operand (its fake says so), and a fused kernel binds all its operands to
+    one element type: a match that promotes (x · int64 cos is float32), or broadcasts past its
+    first operand, is another function."""
+    out, first = _val(root), _val(args[0])
+    if out is None or first is None or first.dtype not in c.dtypes or (out.shape, out.dtype) != (first.shape, first.dtype):
+        return False
+    return all(v.dtype == first.dtype for v in map(_val, args) if v is not None)
 
 
 def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
@@ -216,7 +231,7 @@ def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
                 continue
             built = c.build(env)
             leaves = {v for v in env.values() if isinstance(v, fx.Node)}
-            if built is None or not _self_contained(root, leaves):
+            if built is None or not _qualifies(root, built[1], c) or not _self_contained(root, leaves):
                 continue
             op, args = built
             with g.inserting_before(root):

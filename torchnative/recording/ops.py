@@ -45,6 +45,34 @@ KEPT_COMPOSITES = frozenset({
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
 })
 
+# Non-Core ops recorded whole, not decomposed: torch's decomposition of each rounds differently
+# from its CPU kernel, so a graph that eager runs would not be eager's bit for bit (on PyTorch's
+# OpInfo samples and random float32 inputs: silu, softplus, mish, addcmul, lerp, nll_loss,
+# binary_cross_entropy, linspace 1e-7 to 2e-6 apart, mv 5e-5 and dot 9e-5 in another summation
+# order; the backward kernels 1e-8 to 4e-6). ONNX takes each: torchlib's translation, ours
+# (delegates.onnx_export), or the exporter's decomposition of it with torch's table. A delegate
+# whose table lacks one leaves it to eager (xnnpack, candle) unless it lowers DECOMPOSITIONS[op].
+# They round differently too, yet stay decomposed: logaddexp(2) (torchlib's log(exp(a) + exp(b))
+# overflows), upsample_linear1d (torchlib's is wrong at a fractional scale), and ops ONNX Runtime
+# would decline whole or in the exporter's decomposition: linalg_cross, renorm (linalg_vector_norm),
+# special_log_ndtr, special_xlog1py.
+KEPT_WHOLE = frozenset({
+    aten.silu.default, aten.softplus.default, aten.mish.default, aten.log_sigmoid_forward.default,
+    aten.addcmul.default, aten.lerp.Scalar, aten.lerp.Tensor, aten.sinc.default, aten.xlogy.Tensor,
+    aten.std.correction, aten.std_mean.correction, aten.mv.default, aten.dot.default, aten.vdot.default,
+    aten.addr.default, aten.nll_loss_forward.default, aten.nll_loss2d_forward.default,
+    aten.binary_cross_entropy.default, aten.soft_margin_loss.default, aten.multi_margin_loss.default,
+    aten.multilabel_margin_loss_forward.default,
+    aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor,
+    aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor,
+    # backward kernels, which a graph holds when it takes gradients (a fast-weight layer's update)
+    aten.silu_backward.default, aten.mish_backward.default, aten.softplus_backward.default,
+    aten.log_sigmoid_backward.default, aten.gelu_backward.default, aten.elu_backward.default,
+    aten.sigmoid_backward.default, aten.tanh_backward.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default, aten.native_batch_norm_backward.default,
+    aten.soft_margin_loss_backward.default,
+})
+
 # Output shape depends on the data.
 DATA_DEPENDENT = frozenset({
     aten.nonzero.default, aten.masked_select.default, aten.unique_dim.default,
@@ -129,9 +157,14 @@ def _native_batch_norm(x, weight, bias, running_mean, running_var, training, mom
 # Decompositions of ours that run through the dispatcher like torch's own.
 DOOR_DECOMPOSITIONS: dict = {
     aten.native_batch_norm.default: _native_batch_norm,
+    # batch_norm's choice of kernel, which the door sees under inference_mode (autograd no longer
+    # decomposes it above the door). It returns that kernel's index, an int no data determines:
+    # classified as a data read it cut the graph, and the eager kernel then wrote the running
+    # statistics where no program's guard sees it (an eval program kept them baked: off by 0.3-5).
+    aten._batch_norm_impl_index.default: aten._batch_norm_impl_index.default.decompose,
 }
 
-_TABLE = core_aten_decompositions()
+DECOMPOSITIONS = core_aten_decompositions()  # torch's, which the door applies to non-Core ops
 _CLASSES: dict = {}
 
 
@@ -169,7 +202,7 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         functional = _functional_variant(op)
         if functional is not None:
             return OpClass(Kind.RESHAPE, functional=functional)
-    if op in KEPT_COMPOSITES:
+    if op in KEPT_COMPOSITES or op in KEPT_WHOLE:
         return OpClass(Kind.RECORD)
     if op is aten.lift_fresh.default:
         return OpClass(Kind.IDENTITY)
@@ -196,13 +229,13 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         functional = _functional_variant(op) if in_place else None
         if functional is not None and not functional._schema.is_mutable:
             return OpClass(Kind.INPLACE, functional=functional)
-        if op in _TABLE:
-            return OpClass(Kind.DECOMPOSE, decomposition=_TABLE[op])
+        if op in DECOMPOSITIONS:
+            return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS[op])
         return OpClass(Kind.CUT, reason=f"no functional form: {op} mutates an argument that is not self")
     if torch.Tag.core in op.tags:
         return OpClass(Kind.RECORD, is_view=op.is_view)
-    if op in _TABLE:
-        return OpClass(Kind.DECOMPOSE, decomposition=_TABLE[op])
+    if op in DECOMPOSITIONS:
+        return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS[op])
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return OpClass(Kind.DECOMPOSE, decomposition=op.decompose)
     # Not Core ATen and no decomposition: recorded as is; only the eager delegate will take it.
