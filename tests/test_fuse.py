@@ -165,7 +165,8 @@ def test_rope_whose_cos_broadcasts_past_x_is_not_fused():
     torch.testing.assert_close(e.output, expected)
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype, fused", [(torch.float16, torch.float32, {}), (torch.float32, torch.float64, {}),
+@pytest.mark.parametrize("x_dtype, w_dtype, fused", [(torch.float16, torch.float32, {}),
+                                                     (torch.float32, torch.float64, {}),
                                                      (torch.float64, torch.float64, {"rms_norm": 1})])
 def test_rmsnorm_is_fused_only_when_x_and_weight_share_a_float_type(x_dtype, w_dtype, fused):
     """The composite's result has x's type; weight · x of another type promotes past it (ONNX

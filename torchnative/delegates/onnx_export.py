@@ -41,7 +41,6 @@ def slice_write(node: fx.Node) -> bool:
 _OURS = {torch.ops.aten.index_put.default: slice_write, **{sdpa: _cache_or_grouped_attention for sdpa in SDPA}}
 
 
-
 def _float64(node: fx.Node) -> bool:
     return node.meta["val"].dtype == torch.float64
 
@@ -136,8 +135,8 @@ def _translations() -> dict:
         return op18.ScatterND(data, where, op18.Expand(values, ints([*lead, *data.shape[dim + 1:]])),
                               reduction="add" if accumulate else "none")
 
-    # gradients the exporter cannot decompose (their CompositeImplicitAutograd kernels hide torch's
-    # decomposition from it), in the op order of that decomposition
+    # gradients the exporter leaves undecomposed though torch's table has them (each has a
+    # CompositeImplicitAutograd kernel beside its CPU one), in the op order of that decomposition
     def silu_backward(grad, x):
         sigmoid = op18.Sigmoid(x)
         one = op18.CastLike(op18.Constant(value_float=1.0), x)
@@ -162,7 +161,8 @@ def _translations() -> dict:
         mean = op18.Div(op18.ReduceSum(x, axes, keepdims=1), n)  # not ReduceMean: nan over no elements, as torch's
         deviation = op18.Sub(x, mean)
         total = op18.ReduceSum(op18.Mul(deviation, deviation), axes, keepdims=int(keepdim))
-        left = op18.Sub(n, op18.CastLike(op18.Constant(value_float=1.0 if correction is None else float(correction)), x))
+        correction = op18.CastLike(op18.Constant(value_float=1.0 if correction is None else float(correction)), x)
+        left = op18.Sub(n, correction)
         var = op18.Div(total, op18.Max(left, op18.CastLike(op18.Constant(value_float=0.0), x)))
         if not keepdim and rank:
             mean = op18.Squeeze(mean, axes)
@@ -188,11 +188,17 @@ def _translations() -> dict:
             **{sdpa: attention for sdpa in SDPA}}
 
 
+# kept whole though torch's decomposition of it is wrong, not just rounded differently (it counts
+# the target slots past a row's -1 end marker): the exporter's would be too
+_WRONG_DECOMPOSITIONS = frozenset({torch.ops.aten.multilabel_margin_loss_forward.default})
+
+
 def translated(op: torch._ops.OpOverload) -> bool:
     """Does the export translate op? torchlib's or our translation; or, for an op the door keeps
     whole that torchlib lacks (recording.ops.KEPT_WHOLE), the exporter's own decomposition of it
     with torch's table: the ops the door would otherwise have recorded."""
-    return torchlib_registry().is_registered(op) or op in _translations() or op in KEPT_WHOLE
+    return torchlib_registry().is_registered(op) or op in _translations() or \
+        (op in KEPT_WHOLE and op not in _WRONG_DECOMPOSITIONS)
 
 
 def to_onnx(graph: CapturedGraph):

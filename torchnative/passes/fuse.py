@@ -208,9 +208,9 @@ def _qualifies(root: fx.Node, args: tuple, c: Composite) -> bool:
     one element type: a match that promotes (x · int64 cos is float32), or broadcasts past its
     first operand, is another function."""
     out, first = _val(root), _val(args[0])
-    if out is None or first is None or first.dtype not in c.dtypes or (out.shape, out.dtype) != (first.shape, first.dtype):
+    if out is None or first is None or (out.shape, out.dtype) != (first.shape, first.dtype):
         return False
-    return all(v.dtype == first.dtype for v in map(_val, args) if v is not None)
+    return first.dtype in c.dtypes and all(v.dtype == first.dtype for v in map(_val, args) if v is not None)
 
 
 def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:

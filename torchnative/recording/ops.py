@@ -49,9 +49,11 @@ KEPT_COMPOSITES = frozenset({
 # from its CPU kernel, so a graph that eager runs would not be eager's bit for bit (on PyTorch's
 # OpInfo samples and random float32 inputs: silu, softplus, mish, addcmul, lerp, nll_loss,
 # binary_cross_entropy, linspace 1e-7 to 2e-6 apart, mv 5e-5 and dot 9e-5 in another summation
-# order; the backward kernels 1e-8 to 4e-6). ONNX takes each: torchlib's translation, ours
+# order; the backward kernels 1e-8 to 4e-6; multilabel_margin_loss's is wrong where a row of
+# targets ends before its last slot). ONNX takes each but that one: torchlib's translation, ours
 # (delegates.onnx_export), or the exporter's decomposition of it with torch's table. A delegate
-# whose table lacks one leaves it to eager (xnnpack, candle) unless it lowers DECOMPOSITIONS[op].
+# whose table lacks one leaves it to eager (xnnpack and candle all, coreml most) unless it lowers
+# DECOMPOSITIONS[op].
 # They round differently too, yet stay decomposed: logaddexp(2) (torchlib's log(exp(a) + exp(b))
 # overflows), upsample_linear1d (torchlib's is wrong at a fractional scale), and ops ONNX Runtime
 # would decline whole or in the exporter's decomposition: linalg_cross, renorm (linalg_vector_norm),
