@@ -1,5 +1,7 @@
 """Replay of a forward proven stable (runtime/replayer.py): outputs stay eager's when the guards
 hold, and a call is recorded again whenever Python might have done something different."""
+import copy
+
 import pytest
 import torch
 
@@ -105,18 +107,48 @@ def test_random_ops_are_never_replayed():
 
 def test_python_side_effects_run_unless_replay_is_on():
     class Counting(torch.nn.Module):
-        calls = 0
+        def __init__(self, log: list):
+            super().__init__()
+            self.calls, self.log = 0, log
 
         def forward(self, x):
-            self.calls += 1
+            self.calls += 1  # a module attribute: such a call is never replayed
+            self.log.append(1)
+            return x + 1
+
+    class Logging(Counting):
+        def forward(self, x):
+            self.log.append(1)  # Python state no guard sees: skipped on a replay
             return x + 1
 
     x = torch.ones(3)
-    for replay, expected in ((False, 4), (True, 2)):
-        model = torchnative.accelerate(Counting(), replay=replay)
+    for cls, replay, calls, logged in ((Counting, False, 4, 4), (Counting, True, 4, 4), (Logging, True, 0, 2)):
+        log: list = []
+        model = torchnative.accelerate(cls(log), replay=replay)
         for _ in range(4):
             assert_same(model(x), x + 1)
-        assert model.calls == expected
+        assert (model.calls, len(log)) == (calls, logged), cls
+
+
+def test_module_attributes_set_between_calls_are_seen_by_replay():
+    """`bn.momentum = m` after the forward replays: its running stats move by the new momentum
+    (the replayed program had the old one baked in), as do `eval()` of a submodule's outputs."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    ref = copy.deepcopy(net)
+    torchnative.accelerate(net, delegates=["eager"])
+    torchnative.reset_stats()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for i in range(8):
+            if i == 4:
+                net[1].momentum = ref[1].momentum = 0.5
+            if i == 6:
+                net[1].eval(), ref[1].eval()
+            assert_same(net(x), ref(x))
+            assert_same(net[1].running_mean, ref[1].running_mean)
+            assert_same(net[1].running_var, ref[1].running_var)
+    assert torchnative.stats()["replays"] >= 1
 
 
 def test_explain_on_an_accelerated_model_records():

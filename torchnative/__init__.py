@@ -79,9 +79,11 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
     scalars of them is replayed without running `forward`'s Python once two consecutive calls with
-    the same argument metadata recorded the same graphs; a scalar that comes out different, or a
-    changed weight, records the call again. Python-only side effects of `forward` (a call counter
-    on the module) do not happen on a replayed call: pass `replay=False` if `forward` has them.
+    the same argument metadata recorded the same graphs; a scalar that comes out different, a
+    changed weight, or an attribute set on the model or a submodule (`bn.momentum = m`) records the
+    call again, and a call that sets a module attribute itself is never replayed. Other Python-only
+    side effects of `forward` (appending to a list) do not happen on a replayed call: pass
+    `replay=False` if `forward` has them.
 
     A parameter or buffer written between two runs of one graph (an optimizer step in a
     test-time-adaptation loop) is pinned: its program is rebuilt once with it as an input.

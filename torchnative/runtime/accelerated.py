@@ -20,6 +20,7 @@ from torchnative.runtime import calibration as _calibration
 from torchnative.runtime.guard import flatten_call, guard_key
 from torchnative.runtime.replayer import Replayer
 from torchnative.runtime.session import real_outputs, session
+from torchnative.runtime.trace import watch
 from torchnative.runtime.tracer import Tracer
 from torchnative.shim import current_handler
 
@@ -66,6 +67,7 @@ class AcceleratedForward:
         replayed, out = replayer.replay(key, leaves)
         if replayed:
             return out
+        watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize):
             out = forward(*args, **kwargs)

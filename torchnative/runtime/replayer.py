@@ -5,7 +5,7 @@ by guard key (runtime/guard.py: argument structure and metadata, non-tensor argu
 training flag). When two consecutive calls with the same guards produced the same trace, later
 calls with those guards replay it: each program runs, each scalar read is checked against the
 recorded one, and a mismatch (Python would have branched differently), a changed weight, or a
-re-registered parameter anywhere falls back to recording the call — the programs run so far wrote
+module attribute set (or a parameter re-registered) anywhere falls back to recording the call — the programs run so far wrote
 nothing, so running the call again is safe. Only the last program writes, once every guard held:
 into the tensors an argument object reaches, as the recording did.
 """
@@ -23,13 +23,13 @@ from torch.utils import _pytree as pytree
 from torchnative import events
 from torchnative.grad import copy_back
 from torchnative.runtime.guard import Snapshot
-from torchnative.runtime.trace import Ineligible, Trace, registrations, resolve
+from torchnative.runtime.trace import Ineligible, Trace, module_changes, resolve
 from torchnative.runtime.tracer import Tracer
 
 
 def _run(trace: Trace, leaves: list) -> Any:
     """The call's output, or None when a guard fails (then nothing was written)."""
-    if trace.registrations != registrations():
+    if trace.module_changes != module_changes():
         return None
     produced: list[list] = []
     for step in trace.steps:

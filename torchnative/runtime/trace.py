@@ -16,23 +16,46 @@ import torch
 
 from torchnative.runtime.program import baked_state
 
-# Bumped whenever any module (re)registers a parameter or buffer: a replayed trace holds the old
-# tensors, so it must not outlive them.
-_registrations = 0
+# Bumped whenever a watched module (one of an accelerated model's) (re)registers a parameter or
+# buffer or has any attribute set (`bn.momentum = m`, `bn.eval()`, a forward's
+# `self.calls += 1`): a replayed trace holds the old tensors and ran with the old Python values,
+# and skips the Python that set them, so it must not outlive them. Module.__setattr__ has no hook
+# of its own: it is wrapped, once, at import. Modules made while a call is recorded (the fx
+# GraphModules programs are built of) are not watched, so building a program changes nothing.
+_changes = 0
+_watched: set[int] = set()  # ids of watched modules; a stale id costs a replay miss, nothing more
 
 
-def _bump(*_: Any) -> None:
-    global _registrations
-    _registrations += 1
+def _bump(module: torch.nn.Module, *_: Any) -> None:
+    if id(module) in _watched:
+        global _changes
+        _changes += 1
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
 torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
+_module_setattr = torch.nn.Module.__setattr__
 
 
-def registrations() -> int:
-    """How many times a parameter or buffer was (re)registered so far, by any module."""
-    return _registrations
+def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    if id(self) in _watched:
+        global _changes
+        _changes += 1
+    _module_setattr(self, name, value)
+
+
+_setattr.__wrapped__ = _module_setattr
+torch.nn.Module.__setattr__ = _setattr
+
+
+def watch(model: torch.nn.Module) -> None:
+    """Count attribute writes of `model` and its submodules in `module_changes()`."""
+    _watched.update(map(id, model.modules()))
+
+
+def module_changes() -> int:
+    """How many times a watched module had an attribute set or a parameter or buffer (re)registered."""
+    return _changes
 
 
 class Ineligible(Exception):
@@ -93,7 +116,7 @@ class Trace:
     steps: tuple
     outputs: tuple                # per output leaf: a source, or ("py", value)
     spec: Any                     # the output's pytree structure
-    registrations: int
+    module_changes: int           # module_changes() when the call was recorded
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
@@ -102,5 +125,5 @@ class Trace:
         def shape(t: Trace) -> list:
             return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.steps]
         mine, theirs = shape(self), shape(other)
-        return (mine == theirs and self.spec == other.spec and self.registrations == other.registrations
+        return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs])

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative.runtime.guard import SCALARS, is_plain, object_state
-from torchnative.runtime.trace import GraphCall, Ineligible, Trace, registrations
+from torchnative.runtime.trace import GraphCall, Ineligible, Trace, module_changes
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default
@@ -28,6 +28,7 @@ class Tracer:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
+        self.changes = module_changes()
 
     def ran(self, program: Any, inputs: list, values: list, roots: list) -> None:
         """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values."""
@@ -49,6 +50,8 @@ class Tracer:
     def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any) -> Trace:
         if self.why is not None:
             raise Ineligible(self.why)
+        if module_changes() != self.changes:
+            raise Ineligible("the call set a module attribute or registered a parameter or buffer (a replay would skip it)")
         where: dict[int, tuple] = {}    # id(tensor) -> source
         storages: dict[int, tuple] = {}  # storage address -> source of a tensor on that storage
 
@@ -104,4 +107,4 @@ class Tracer:
         outputs, spec = pytree.tree_flatten(out)
         if not is_plain(spec, outputs=True):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
-        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, registrations())
+        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes())
