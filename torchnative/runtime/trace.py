@@ -9,6 +9,7 @@ call that cannot be described so raises `Ineligible`, which says why.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,18 @@ from torchnative.runtime.program import baked_state
 # of its own: it is wrapped, once, at import. Modules made while a call is recorded (the fx
 # GraphModules programs are built of) are not watched, so building a program changes nothing.
 _changes = 0
-_watched: set[int] = set()  # ids of watched modules; a stale id costs a replay miss, nothing more
+# id -> weakref of each watched module: the id alone would match a new module given a freed one's
+# id, and a module's own hash may be anything (or nothing)
+_watched: dict[int, weakref.ref] = {}
+
+
+def _is_watched(module: torch.nn.Module) -> bool:
+    ref = _watched.get(id(module))
+    return ref is not None and ref() is module
 
 
 def _bump(module: torch.nn.Module, *_: Any) -> None:
-    if id(module) in _watched:
+    if _is_watched(module):
         global _changes
         _changes += 1
 
@@ -38,7 +46,7 @@ _module_setattr = torch.nn.Module.__setattr__
 
 
 def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
-    if id(self) in _watched:
+    if _is_watched(self):
         global _changes
         _changes += 1
     _module_setattr(self, name, value)
@@ -50,7 +58,9 @@ torch.nn.Module.__setattr__ = _setattr
 
 def watch(model: torch.nn.Module) -> None:
     """Count attribute writes of `model` and its submodules in `module_changes()`."""
-    _watched.update(map(id, model.modules()))
+    for m in model.modules():
+        if not _is_watched(m):
+            _watched[id(m)] = weakref.ref(m, lambda _, i=id(m): _watched.pop(i, None))
 
 
 def module_changes() -> int:
