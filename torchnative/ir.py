@@ -14,7 +14,9 @@ import torch.fx as fx
 # first half (passes.fuse.mark_halves), so a fused RoPE kernel may read that half alone
 HALVES = "repeats_halves"
 
-Role = Literal["input", "param", "pinned", "state", "constant"]
+Role = Literal["input", "param", "pinned", "state", "constant", "scalar"]
+# "scalar": a Python float passed at run time (a BatchNorm momentum that decays every call), whose
+# placeholder's meta "val" is a float; only eager runs the ops that read it (partitioner)
 # "written_back": a partition's output that is only a state's new value, copied into the state
 # by the caller right after the run and read by nothing else; a delegate may return it in a
 # buffer it reuses on every call

@@ -66,9 +66,14 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
             continue
         # a state update writes the caller's tensor: a delegate whose results are new tensors
         # cannot run it (getattr: a delegate that does not say it can, cannot)
-        writes = _writes_in_place(n)
+        writes, scalar = _writes_in_place(n), _reads_scalar(n)
         for d in delegates:
-            verdict = Support(False, _IN_PLACE) if writes and not getattr(d, "writes_in_place", False) else d.supports(n)
+            if scalar:
+                verdict = Support(False, _SCALAR)
+            elif writes and not getattr(d, "writes_in_place", False):
+                verdict = Support(False, _IN_PLACE)
+            else:
+                verdict = d.supports(n)
             if verdict:
                 label[n] = d.name
                 break
@@ -79,6 +84,14 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
 
 
 _IN_PLACE = "a state update written in place into the caller's tensor (a delegate's results are new tensors: it cannot write the caller's)"
+
+
+_SCALAR = ("reads a Python float that changes between calls (a scalar input of the graph): delegates compile "
+           "their scalars in, so eager runs it")
+
+
+def _reads_scalar(n: fx.Node) -> bool:
+    return any(u.op == "placeholder" and type(u.meta.get("val")) is float for u in n.all_input_nodes)
 
 
 def _writes_in_place(n: fx.Node) -> bool:

@@ -25,6 +25,7 @@ class Kind(enum.Enum):
     ANSWER = "answer"          # a metadata query answered without data
     RANDOM = "random"          # draws from the global generator: runs now, as eager would
     READ = "read"              # returns a Python value from tensor data: cuts unless the data is constant
+    ASIDE = "aside"            # touches no tensor data (a profiler range): runs now, the graph goes on
     CUT = "cut"                # needs concrete data, or nothing can record it: run eagerly
 
 
@@ -199,7 +200,9 @@ _RESHAPES_INPLACE = frozenset({"squeeze_", "unsqueeze_", "t_", "transpose_", "sw
 
 def _classify(op: torch._ops.OpOverload) -> OpClass:
     schema = op._schema
-    name = schema.name.split("::")[1]
+    namespace, name = schema.name.split("::")
+    if namespace == "profiler":  # record_function's range: enter and exit take and return no tensor
+        return OpClass(Kind.ASIDE)
     if name in _RESHAPES_INPLACE:
         functional = _functional_variant(op)
         if functional is not None:

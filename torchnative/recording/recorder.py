@@ -10,8 +10,6 @@ Warm path per op: classify (dict) → encode arguments → one trie lookup → w
 """
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 from typing import Any, Callable
 
@@ -20,8 +18,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torchnative import events
 from torchnative.grad import copy_back
-from torchnative.recording import views
+from torchnative.recording import scalars, views
 from torchnative.recording.meta import Unrecordable, infer, meta_of
+from torchnative.recording.source import user_frame
 from torchnative.recording.ops import _CLASSES, Kind, classify
 from torchnative.recording.trie import INPUT, REFS, ROOT, TrieNode, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
@@ -31,31 +30,18 @@ _make = torch.Tensor._make_wrapper_subclass
 _no_data = torch._C._set_throw_on_mutable_data_ptr
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
-_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ = (
+_RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ, _ASIDE = (
     Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE, Kind.ANSWER, Kind.RANDOM,
-    Kind.READ)
+    Kind.READ, Kind.ASIDE)
 _CUTS = (Kind.CUT, Kind.READ)
 _NO_ANSWER = object()
 _PLAIN = (int, float, bool, type(None))
-
-# frames inside these directories are not the user's code
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty(0, dtype=dtype, device="meta").type()).split(".")[-1].replace("Tensor", "")
 
 
 Execute = Callable[[TrieNode, Signature, list, int, list], list]  # (graph, signature, inputs, ops, roots written)
-
-
-def user_frame(skip: int = 2) -> tuple[str, int]:
-    f = sys._getframe(skip)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not name.startswith(_INTERNAL) and not name.startswith("<"):
-            return name, f.f_lineno
-        f = f.f_back
-    return "<unknown>", 0
 
 
 def _any_pending(args: tuple, kwargs: dict) -> bool:
@@ -99,6 +85,7 @@ class Recorder:
         self.rgen: dict[int, int] = {}            # id(real root) -> writes so far
         self.rcur: dict[int, Any] = {}            # id(real root) -> its current (lazy) value
         self.roots: dict[int, torch.Tensor] = {}  # id(real root) -> the root, for write-back
+        self.issues: dict[tuple, int] = {}        # scalar site -> its issues so far (scalar_site)
 
     # -- the handler ---------------------------------------------------------------------------
     def __call__(self, op, args: tuple, kwargs: dict) -> Any:
@@ -126,6 +113,8 @@ class Recorder:
             return self.eagerly(op, args, kwargs)
         if k is _READ:
             return self.read(op, args, kwargs, c.reason)
+        if k is _ASIDE:  # not the call's work: a replay, which skips it, computes the same
+            return run_eagerly(op, args, kwargs)
         return self.cut(op, args, kwargs, c.reason)
 
     def eagerly(self, op, args: tuple, kwargs: dict) -> Any:
@@ -205,7 +194,7 @@ class Recorder:
             key = (id(op), eargs, ekw)
             node = self.node.children.get(key)
             if node is None:
-                node = self.new_node(op, is_view, args, kwargs, key)
+                node = self.scalar_site(op, is_view, args, kwargs, eargs, ekw)
         except Unrecordable as e:
             return self.cut(op, args, kwargs, str(e))
         self.node = node
@@ -228,6 +217,26 @@ class Recorder:
             live.append(_wref(t))
             outs.append(t)
         return node.sequence(outs)
+
+    def scalar_site(self, op, is_view: bool, args: tuple, kwargs: dict, eargs: tuple, ekw: tuple) -> TrieNode:
+        """The node for an op not recorded here with these arguments: its floats that were seen to
+        change (recording/scalars.py) as scalar inputs of the graph, the others as constants."""
+        dynamic = scalars.dynamic_floats(op, args, kwargs, eargs, ekw, self.issues)
+        if dynamic:
+            eargs = tuple(REFS[self.scalar_input(op, i, args[i])] if i in dynamic else a for i, a in enumerate(eargs))
+        key = (id(op), eargs, ekw)
+        node = self.node.children.get(key)
+        return node if node is not None else self.new_node(op, is_view, args, kwargs, key)
+
+    def scalar_input(self, op, position: int, value: float) -> int:
+        """A float argument of `op` as an input of the graph (role `scalar`): its slot."""
+        key = (INPUT, "scalar", id(op), position)
+        node = self.node.children.get(key)
+        if node is None:
+            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (None,), None, role="scalar")
+        self.node = node
+        self.inputs.append(value)
+        return node.out_slots[0]
 
     def new_node(self, op, is_view: bool, args: tuple, kwargs: dict, key: tuple) -> TrieNode:
         metas, sequence = infer(op, args, kwargs)

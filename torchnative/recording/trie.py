@@ -108,7 +108,7 @@ def build_graph(node: TrieNode, sig: Signature) -> CapturedGraph:
         if n.op == INPUT:
             slot = n.out_slots[0]
             p = g.placeholder(f"in_{slot}")
-            p.meta["val"] = meta_tensor(n.out_metas[0])
+            p.meta["val"] = 0.0 if n.role == "scalar" else meta_tensor(n.out_metas[0])
             position[slot] = len(roles)
             roles.append("state" if slot in state_inputs else n.role)
             env[slot] = p

@@ -24,7 +24,7 @@ def _under_autograd(inputs: list[torch.Tensor]) -> bool:
     """Autograd records this graph's ops above the door, saving the float weights, and a backward
     runs on those: a quantized forward would get another function's gradients (TENT would adapt
     to a model it does not run). Such graphs stay float, and the user is told once."""
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+    if not (torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
         return False
     warnings.warn("torchnative: quantize= leaves the graphs autograd records in float32 (their backward "
                   "would use the float weights); run inference under torch.no_grad() to quantize", stacklevel=2)

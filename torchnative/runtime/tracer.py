@@ -96,6 +96,8 @@ class Tracer:
             reads[k].append((j, value))
         steps = []
         for k, (program, inputs, values, roots) in enumerate(self.runs):
+            if not all(isinstance(x, torch.Tensor) for x in inputs):
+                raise Ineligible("a Python float that changes between calls is an input of a graph (a replay cannot know its next value)")
             if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
                 raise Ineligible("autograd records this call")
             writes = tuple(source(r) for r in roots)

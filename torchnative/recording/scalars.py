@@ -1,0 +1,55 @@
+"""Python floats that change between calls become scalar inputs of the graph, as torch.compile's
+automatic dynamic does for sizes: one graph for a BatchNorm momentum that decays every call (DUA),
+not one per value.
+
+A *site* is an op issued by one user instruction with the same other arguments; an *issue* is
+its n-th time in one graph. A site whose floats at some issue differ from those that issue had
+the first time takes the floats that changed as inputs, at every issue from then on. Issues are
+told apart by instruction and count, not by trie position: the first BatchNorm's momentum turning
+into an input moves every later BatchNorm (issued by the same instruction) to a trie position
+never recorded, which is then an input at once. Factory ops are left alone (`arange`'s length
+follows its floats), as is a change that would change the op's output metadata.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchnative.recording.meta import infer
+from torchnative.recording.source import user_instruction
+from torchnative.recording.trie import Ref
+
+_FLOAT, _REF = "\0f?", "\0r?"  # a float's and a graph value's place in a site
+_dynamic: dict[tuple, frozenset] = {}  # site -> positions of its floats that are graph inputs
+_first: dict[tuple, tuple] = {}        # (site, issue) -> its floats the first time
+
+
+def forget() -> None:
+    _dynamic.clear()
+    _first.clear()
+
+
+def dynamic_floats(op: Any, args: tuple, kwargs: dict, eargs: tuple, ekw: tuple, issues: dict) -> frozenset:
+    """Positions of `op`'s float arguments that are graph inputs at this issue (none for most).
+    `eargs`/`ekw`: the arguments as the recorder encodes them; `issues`: the graph's count of
+    issues per site so far, which this updates."""
+    floats = [i for i, a in enumerate(eargs) if type(a) is str and a[:2] == "\0f"]
+    if not floats or not any(isinstance(a, torch.Tensor) for a in args):
+        return frozenset()
+    site = (id(op), user_instruction(3),
+            tuple(_FLOAT if i in floats else _REF if type(a) is Ref else a for i, a in enumerate(eargs)), ekw)
+    issue = issues[site] = issues.get(site, -1) + 1
+    values = tuple(args[i] for i in floats)
+    first = _first.setdefault((site, issue), values)
+    dynamic = _dynamic.get(site, frozenset())
+    changed = {i for i, was, now in zip(floats, first, values) if was != now} - dynamic
+    if changed and _same_metas(op, args, kwargs, dict(zip(floats, first))):
+        dynamic = _dynamic[site] = dynamic | changed
+    return dynamic
+
+
+def _same_metas(op: Any, args: tuple, kwargs: dict, before: dict[int, float]) -> bool:
+    """Does `op` make the same output metadata with the floats it had `before`?"""
+    old = tuple(before.get(i, a) for i, a in enumerate(args))
+    return infer(op, old, kwargs)[0] == infer(op, args, kwargs)[0]
