@@ -9,8 +9,10 @@ from torch import nn
 
 import torchnative
 
-# delegate -> tolerances: eager runs eager's kernels; ONNX Runtime's convolutions round differently
-TOLERANCES = {"eager": dict(rtol=0, atol=0), "ort": dict(rtol=1e-5, atol=1e-6)}
+# delegate -> tolerances: eager runs eager's kernels; ONNX Runtime's convolutions round differently,
+# and how much depends on where the partitions end (a BatchNorm reading a changing momentum runs on
+# eager, one with a constant momentum is fused into ONNX Runtime's graph): 1.1e-6 seen on 0.009
+TOLERANCES = {"eager": dict(rtol=0, atol=0), "ort": dict(rtol=1e-5, atol=1e-5)}
 
 VARIANTS = {
     "momentum": {},

@@ -29,18 +29,19 @@ from torchnative.runtime.accelerated import install as _install
 from torchnative.runtime.accelerated import uninstall as _uninstall
 from torchnative.runtime.program import CapturedOpError
 from torchnative.runtime.program_cache import COMPILE_AFTER as _COMPILE_AFTER
+from torchnative.runtime.program_cache import wait_for_compiles as _wait_for_compiles
 from torchnative.runtime.session import session as _session
 from torchnative.shim import LazyTensor
 
 # the public surface; every other name here is private (the layers' own modules hold the rest)
 __all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "profile", "pin", "pinned", "stats",
-           "reset_stats", "availability", "load", "set_cache_dir", "Bundle", "BundleError", "Profile", "ProfileError",
+           "reset_stats", "availability", "load", "set_cache_dir", "wait_for_compiles", "Bundle", "BundleError", "Profile", "ProfileError",
            "CapturedOpError", "Explanation", "Availability", "LazyTensor"]
 __version__ = "0.1.0"
 
 @contextmanager
 def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COMPILE_AFTER,
-            quantize: str | None = None) -> Iterator[None]:
+            quantize: str | None = None, background: bool | None = None) -> Iterator[None]:
     """Capture every aten op run inside the block.
 
     Ops are recorded lazily and run as compiled graphs when Python needs a value (`.item()`,
@@ -61,9 +62,15 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COM
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses.
             Graphs that autograd records (grad mode on, an input requiring grad) stay float32,
             with a warning: their backward would run on the float weights autograd saved.
+        background: compile a graph's program on a background thread while the graph goes on
+            running on eager, its program used from the first call after it is ready (None, the
+            default: on, unless the environment sets TORCHNATIVE_BACKGROUND_COMPILE=0); False
+            compiles in the call that needs the program. A weight written while its program
+            compiles is pinned and the program built again. `wait_for_compiles()` blocks until
+            they are done; at exit, compiles not yet started are dropped.
     """
     _check_quantize(quantize)
-    with _session(delegates, compile_after=compile_after, quantize=quantize):
+    with _session(delegates, compile_after=compile_after, quantize=quantize, background=background):
         yield
 
 
@@ -74,7 +81,8 @@ def _check_quantize(scheme: str | None) -> None:
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
-               replay: bool = True, compile_after: int = _COMPILE_AFTER, quantize: str | None = None) -> torch.nn.Module:
+               replay: bool = True, compile_after: int = _COMPILE_AFTER, quantize: str | None = None,
+               background: bool | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
@@ -88,7 +96,8 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     A parameter or buffer written between two runs of one graph (an optimizer step in a
     test-time-adaptation loop) is pinned: its program is rebuilt once with it as an input.
 
-    `delegates`, `compile_after` and `quantize` are as in `capture`. Idempotent. Outputs equal
+    `delegates`, `compile_after`, `quantize` and `background` are as in `capture`; a call is
+    not replayed while one of its graphs compiles in the background. Idempotent. Outputs equal
     eager's (with `quantize`, eager's with the dequantized weights); `deaccelerate(model)`
     restores the original forward. A copy (`copy.deepcopy`, `pickle`, `torch.save`/`torch.load`
     with `weights_only=False`) of an accelerated module is accelerated with the same settings,
@@ -96,7 +105,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     """
     _check_quantize(quantize)
     _name_tensors(model)
-    _install(model, delegates, replay, compile_after, quantize)
+    _install(model, delegates, replay, compile_after, quantize, background)
     return model
 
 
@@ -178,8 +187,15 @@ def stats() -> dict:
     """Counters since the last reset: ops recorded, graphs built, program cache hits and misses,
     graph runs, sync points by reason, fallbacks, replays, tensors pinned (label → why),
     weights quantized (or why not), values folded (computed from weights once, at build) and
-    composites fused (by name) into the partitions compiled in this process."""
+    composites fused (by name) into the partitions compiled in this process, and graph runs on
+    eager while their program compiled in the background (`compiling_runs`)."""
     return events.STATS.as_dict()
+
+
+def wait_for_compiles() -> None:
+    """Block until every program compiling in the background is built (see `capture`'s
+    `background`); the next call that runs its graph uses it."""
+    _wait_for_compiles()
 
 
 def reset_stats() -> None:

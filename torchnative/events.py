@@ -108,6 +108,7 @@ class Stats:
     folded: int = 0                       # values computed from weights alone when a program was built
     fused: Counter = field(default_factory=Counter)  # composite -> matches fused into partitions compiled
     disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
+    compiling_runs: int = 0               # graph runs on eager while their program compiled in the background
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -116,7 +117,7 @@ class Stats:
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
-                "fused": dict(self.fused), "disk_cache": dict(self.disk_cache)}
+                "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs}
 
 
 STATS = Stats()

@@ -32,6 +32,7 @@ class Settings:
     replay: bool
     compile_after: int
     quantize: str | None
+    background: bool | None = None  # None: program_cache.BACKGROUND
 
 
 class AcceleratedForward:
@@ -56,7 +57,8 @@ class AcceleratedForward:
             # one call at a time: the replayer's traces and snapshots are one call's view of the module
             with self._lock:
                 return self._guarded(forward, args, kwargs)
-        with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize):
+        with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize,
+                     background=s.background):
             out = forward(*args, **kwargs)
         return real_outputs(out)  # after the session: its end runs the pending graph
 
@@ -69,7 +71,7 @@ class AcceleratedForward:
             return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
-        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize):
+        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
         if guard_key(self.model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
@@ -91,12 +93,12 @@ class AcceleratedForward:
 
 
 def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int,
-            quantize: str | None) -> None:
+            quantize: str | None, background: bool | None) -> None:
     """Make `model.forward` an AcceleratedForward (once: a second call changes nothing)."""
     if isinstance(model.__dict__.get("forward"), AcceleratedForward):
         return
     original = model.__dict__.get("forward")  # an instance's own forward (another wrapper), kept
-    settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize)
+    settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize, background)
     model.forward = AcceleratedForward(model, original, settings)
 
 

@@ -1,9 +1,14 @@
 """Compiled programs in memory, by graph key and guards (baked params' identity and version): the
-program for a recorded graph, built on a miss once the graph has run `compile_after` times, and a
-weight written between two runs pinned from then on."""
+program for a recorded graph, built on a miss once the graph has run `compile_after` times (in a
+background thread, the graph running on eager until it is ready, or in the call), and a weight
+written between two runs pinned from then on."""
 from __future__ import annotations
 
+import os
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -15,7 +20,7 @@ from torchnative.interface import Delegate
 from torchnative.passes.pin import pin
 from torchnative.runtime import calibration
 from torchnative.runtime.pipeline import build_program
-from torchnative.runtime.program import Program
+from torchnative.runtime.program import Program, baked_state
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -37,13 +42,29 @@ COMPILE_AFTER = 2
 _programs: dict = {}
 _runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
 
+# compiles off the critical path: one at a time (two cores: a second compile would take the
+# call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need
+BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") != "0"
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background")
+# at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
+# threading's exit hooks run in reverse order, so this one runs before the executor's own joins.
+threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futures=True))
+_building: dict = {}  # program key -> (Future of the Program, inputs and their states when submitted)
 
-def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
-                inputs: list[torch.Tensor], compile_after: int, quantize: str | None = None) -> tuple[Program, bool]:
+
+class Found(NamedTuple):
+    program: Program
+    hit: bool        # from the cache, not built for this call
+    stand_in: bool   # eager's program, run while the delegates' one compiles in the background
+
+
+def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
+                compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
     """The compiled program for this graph key and these guards (baked params' identity and
     version), building it on a miss. Until the graph has run `compile_after` times it runs on
     eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
-    every decode step) would never repay it."""
+    every decode step) would never repay it. With `background`, a miss starts the build on the
+    background thread and the graph runs on eager's program until the build is done."""
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
@@ -58,10 +79,12 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     candidates = _programs.get(key)
     if candidates is None:
         candidates = _programs[key] = []
+    if key in _building:
+        _adopt(key, candidates)
     for p in candidates:
         if p.valid_for(inputs):
             events.STATS.cache_hits += 1
-            return p, True
+            return Found(p, True, False)
     for p in candidates:  # a weight written between two runs of this graph is updated at test time
         for t in p.changed(inputs):
             pin(t, f"written between two runs of graph {p.graph.key[:12]} (updated at test time): "
@@ -70,10 +93,46 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     if differentiated:
         events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
     candidates[:] = [p for p in candidates if not p.stale()]
+    if background and delegates != (eager,) and not calibration.active():
+        if key not in _building:
+            job = _background.submit(build_program, build_graph(node, sig), delegates, list(inputs), quantize,
+                                     calibration_sets=calibration.sets((node, sig)))
+            _building[key] = (job, list(inputs), [_state(t) for t in inputs])
+        events.STATS.compiling_runs += 1
+        return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
     p = build_program(build_graph(node, sig), delegates, inputs, quantize, calibration_sets=calibration.sets((node, sig)))
     candidates.append(p)
     events.STATS.graphs_built += 1
-    return p, False
+    return Found(p, False, False)
+
+
+def _state(x) -> tuple | None:
+    return baked_state(x) if isinstance(x, torch.Tensor) else None
+
+
+def _adopt(key: tuple, candidates: list[Program]) -> None:
+    """Take the background build of `key` into the cache once it is done, unless a weight it baked
+    was written while it compiled (an optimizer step): its artifact may hold the old value, or
+    half of each, so it is dropped and the weight pinned (the next build takes it as an input)."""
+    job, submitted, states = _building[key]
+    if not job.done():
+        return
+    del _building[key]
+    p = job.result()  # a build that raised raises here, in the call, as it would have in the call
+    # indices past the submitted inputs are constants the passes computed, which no one writes
+    written = [submitted[i] for i, _, state in p.baked if i < len(submitted) and state != states[i]]
+    for t in written:
+        pin(t, "written while the program that baked it compiled in the background (updated at test "
+               "time): now an input of every program, never baked, folded or quantized")
+    if not written:
+        candidates.append(p)
+        events.STATS.graphs_built += 1
+
+
+def wait_for_compiles() -> None:
+    """Block until every background compile has finished (its program is taken at the next call)."""
+    for job, _, _ in list(_building.values()):
+        job.exception()
 
 
 def programs() -> list[Program]:
@@ -85,5 +144,6 @@ def clear_caches() -> None:
     """Forget every compiled program, recorded trie path and inferred shape (a cold start)."""
     _programs.clear()
     _runs.clear()
+    _building.clear()
     calibration.forget()
     forget_recordings()

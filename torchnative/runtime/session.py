@@ -9,16 +9,19 @@ from torchnative.recording.recorder import Recorder
 from torchnative.recording.trie import TrieNode, Signature
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
-from torchnative.runtime.program_cache import COMPILE_AFTER, program_for
+from torchnative.runtime.program_cache import BACKGROUND, COMPILE_AFTER, program_for
 from torchnative.runtime.tracer import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 
 
-def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None):
+def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None,
+              background: bool):
     def execute(node: TrieNode, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
-        program, hit = program_for(node, sig, delegates, inputs, compile_after, quantize)
+        program, hit, stand_in = program_for(node, sig, delegates, inputs, compile_after, quantize, background)
         values = program(inputs)
         if tracer is not None:
+            if stand_in:  # a replay would keep eager's program after the delegates' one is ready
+                tracer.refuse("a graph of it is compiling in the background")
             tracer.ran(program, inputs, values, roots)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program))
@@ -28,11 +31,12 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
-            tracer: Tracer | None = None, compile_after: int = COMPILE_AFTER, quantize: str | None = None) -> Iterator[Recorder | None]:
+            tracer: Tracer | None = None, compile_after: int = COMPILE_AFTER, quantize: str | None = None,
+            background: bool | None = None) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
-    `tracer` watches the session for replay; `compile_after`: see `program_for`; `quantize`: a
-    weight quantization scheme (passes.quantize). Nested, the outer session records and its
-    settings hold."""
+    `tracer` watches the session for replay; `compile_after`, `background`: see `program_for`
+    (None: `program_cache.BACKGROUND`); `quantize`: a weight quantization scheme
+    (passes.quantize). Nested, the outer session records and its settings hold."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
         if tracer is not None:
@@ -41,7 +45,8 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         outer.flush()
         return
     mode = DoorMode()
-    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize), mode, weights)
+    background = BACKGROUND if background is None else background
+    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize, background), mode, weights)
     if tracer is not None:
         recorder.observe = tracer.eager
     previous = set_handler(recorder)

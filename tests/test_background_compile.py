@@ -1,0 +1,116 @@
+"""Programs compiled off the critical path (issue 22): while a graph's program compiles on the
+background thread the graph runs on eager, outputs stay eager's throughout, the program is used
+once ready, and a weight written while it compiled is never served stale."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import threading
+
+import torch
+
+import torchnative
+from tests.conftest import assert_same
+from tests.test_tta import METHODS, _images, _resnet
+from torchnative.runtime import program_cache
+from torchnative.runtime.program_cache import clear_caches, programs
+
+ORT = dict(rtol=1e-4, atol=1e-4)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+
+def _compiled(model_programs) -> list:
+    return [p for p in model_programs if any(d == "ort" for d, _ in p.partitions)]
+
+
+def _gated_builds(monkeypatch) -> threading.Event:
+    """Background builds wait for the returned event (eager's, in the call, do not): the test
+    decides what happens meanwhile."""
+    gate, build = threading.Event(), program_cache.build_program
+
+    def gated(*args, **kwargs):
+        if threading.current_thread().name.startswith("torchnative-compile-background"):
+            assert gate.wait(60), "the test never opened the gate"
+        return build(*args, **kwargs)
+    monkeypatch.setattr(program_cache, "build_program", gated)
+    return gate
+
+
+def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], background=True)
+    clear_caches()
+    torchnative.reset_stats()
+    gate = _gated_builds(monkeypatch)
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    with torch.no_grad():
+        for x in xs[:4]:  # the second call starts the compile; it cannot finish before the gate opens
+            assert_same(model(x), eager(x), **ORT)
+        assert not _compiled(programs()) and torchnative.stats()["compiling_runs"] == 3
+        assert torchnative.stats()["replays"] == 0  # a call on eager's stand-in is never replayed
+        gate.set()
+        torchnative.wait_for_compiles()
+        for x in xs[4:]:
+            assert_same(model(x), eager(x), **ORT)
+    s = torchnative.stats()
+    assert len(_compiled(programs())) == 1 and s["compiling_runs"] == 3, s
+    assert s["replays"] >= 1, s  # the calls after it is ready replay the compiled program
+
+
+def test_a_weight_written_while_its_program_compiles_is_pinned_not_served_stale(monkeypatch):
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], background=True, replay=False)
+    clear_caches()
+    gate = _gated_builds(monkeypatch)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_same(model(x), eager(x), **ORT)
+        for m in (model, eager):  # an optimizer step while the program that baked the weight compiles
+            m[0].weight.mul_(0.5)
+        gate.set()
+        torchnative.wait_for_compiles()
+        for _ in range(4):  # the program built on the old weight is dropped; the next takes it as an input
+            assert_same(model(x), eager(x), **ORT)
+            torchnative.wait_for_compiles()
+    assert any(t is model[0].weight for t in torchnative.pinned())
+    assert any("compiled in the background" in why for why in torchnative.stats()["pinned"].values())
+    compiled = _compiled(programs())
+    assert compiled and all(ref() is not model[0].weight for p in compiled for _, ref, _ in p.baked)
+
+
+def test_adaptation_steps_match_eager_with_background_compiles():
+    tent = METHODS[0]
+    model = _resnet()
+    eager = tent.setup(copy.deepcopy(model))
+    accelerated = tent.setup(torchnative.accelerate(copy.deepcopy(model), delegates=["ort"], background=True))
+    clear_caches()
+    for i in range(12):
+        if i == 6:
+            torchnative.wait_for_compiles()  # the second half runs the compiled programs
+        x = _images(i)
+        assert_same(tent.step(accelerated, x, i), tent.step(eager, x, i), **ORT)
+    assert_same(dict(accelerated[0].state_dict()), dict(eager[0].state_dict()), **ORT)
+    assert _compiled(programs())
+
+
+def test_a_process_exits_while_a_program_compiles():
+    script = """
+import torch, torchnative
+m = torchnative.accelerate(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()), delegates=["ort"], background=True)
+x = torch.randn(2, 64)
+with torch.no_grad():
+    for _ in range(3):
+        y = m(x)
+print(bool(torch.isfinite(y).all()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("True")
