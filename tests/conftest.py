@@ -7,8 +7,8 @@ import torch
 
 # compiled partitions are not shared between tests (or with the user's cache) unless a test asks
 os.environ.setdefault("TORCHNATIVE_CACHE_DIR", "off")
-# programs compile in the call that needs them, so a test knows which program ran; the tests of
-# background compiles (tests/test_background_compile.py) ask for it
+# programs compile in the call that needs them (the default), so a test knows which program ran;
+# the tests of background compiles (tests/test_background_compile.py) ask for it
 os.environ.setdefault("TORCHNATIVE_BACKGROUND_COMPILE", "0")
 
 import torchnative  # noqa: E402

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torchnative.shim.door import no_dispatch_modes
 
 Meta = tuple  # (shape, stride, storage_offset, dtype)
 
@@ -91,7 +91,7 @@ def _infer(op, args, kwargs):
         mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
         if "device" not in mkwargs and _is_factory(op):
             mkwargs["device"] = _META
-        with _disable_current_modes():
+        with no_dispatch_modes():
             out = op(*margs, **mkwargs)
         return _out_meta(out), (None if isinstance(out, torch.Tensor) else type(out))
     except Unrecordable as e:

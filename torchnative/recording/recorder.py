@@ -14,7 +14,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torchnative.shim.door import no_dispatch_modes
 
 from torchnative import events
 from torchnative.grad import copy_back
@@ -370,7 +370,7 @@ class Recorder:
         graph = build_graph(self.node, Signature(tuple(t._slot for t in tensors), ()))
         if any(p.users for p in graph.gm.graph.find_nodes(op="placeholder")):
             return _NO_ANSWER
-        with _disable_current_modes(), torch.no_grad():
+        with no_dispatch_modes(), torch.no_grad():
             values = iter(graph.gm(*[None] * len(graph.input_roles)))
             return op(*[next(values) if type(a) is LazyTensor else a for a in args])
 
@@ -397,7 +397,7 @@ class Recorder:
             events.emit(events.GraphBreak(reason, str(op) if op is not None else reason, filename, line))
         if self.node is ROOT:
             return
-        with _disable_current_modes():
+        with no_dispatch_modes():
             self._flush()
 
     def _flush(self) -> None:

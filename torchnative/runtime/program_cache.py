@@ -5,6 +5,7 @@ written between two runs pinned from then on."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,13 +44,38 @@ _programs: dict = {}
 _runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
 
 # compiles off the critical path: one at a time (two cores: a second compile would take the
-# call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need
-BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") != "0"
+# call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need.
+# Opt-in: torch.export keeps some state per process (its pre-dispatch modes: shim.door's
+# no_dispatch_modes keeps the door off it), and not all of it has been audited for a second thread.
+BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "0") == "1"
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background")
 # at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
 # threading's exit hooks run in reverse order, so this one runs before the executor's own joins.
 threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futures=True))
 _building: dict = {}  # program key -> (Future of the Program, inputs and their states when submitted)
+# A call's ops release the GIL in each kernel; the compile thread takes it and keeps it until the
+# switch interval runs out (5 ms): every op of the call waited that long (a ResNet-50 TENT step of
+# 1.6 s took 17 s while ONNX export ran). A short interval while a compile runs bounds the wait.
+_SWITCH_WHILE_COMPILING = 1e-4
+_switch = sys.getswitchinterval()
+_unfinished = [0]
+_unfinished_lock = threading.Lock()
+
+
+def _submit(*args, **kwargs) -> Future:
+    with _unfinished_lock:
+        _unfinished[0] += 1
+        sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
+    job = _background.submit(*args, **kwargs)
+    job.add_done_callback(_finished)
+    return job
+
+
+def _finished(_: Future) -> None:
+    with _unfinished_lock:
+        _unfinished[0] -= 1
+        if not _unfinished[0]:
+            sys.setswitchinterval(_switch)
 
 
 class Found(NamedTuple):
@@ -95,7 +121,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     candidates[:] = [p for p in candidates if not p.stale()]
     if background and delegates != (eager,) and not calibration.active():
         if key not in _building:
-            job = _background.submit(build_program, build_graph(node, sig), delegates, list(inputs), quantize,
+            job = _submit(build_program, build_graph(node, sig), delegates, list(inputs), quantize,
                                      calibration_sets=calibration.sets((node, sig)))
             _building[key] = (job, list(inputs), [_state(t) for t in inputs])
         events.STATS.compiling_runs += 1

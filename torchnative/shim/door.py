@@ -15,7 +15,8 @@ are shared as in eager. The LazyTensor is state only; the rules that change it l
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -52,6 +53,21 @@ def _value_of(x: Any) -> Any:
     return x
 
 
+@contextmanager
+def no_dispatch_modes() -> Iterator[None]:
+    """This thread's dispatch modes (the door's) off for the block. torch's
+    `_disable_current_modes` also pops the pre-dispatch modes, whose state is one per process:
+    while a background compile runs torch.export, it took the export's proxy mode from that
+    thread (its export lost it; putting it back failed with "slot already occupied")."""
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
+    modes = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _push_mode(mode)
+
+
 def run_eagerly(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run `op` on the real values behind any lazy arguments.
 
@@ -60,7 +76,7 @@ def run_eagerly(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """
     values = tuple(_value_of(a) for a in args)
     kvalues = {k: _value_of(v) for k, v in kwargs.items()} if kwargs else {}
-    with torch.utils._python_dispatch._disable_current_modes():
+    with no_dispatch_modes():
         out = op(*values, **kvalues)
     if isinstance(out, torch.Tensor):
         for a, v in zip(args, values):
@@ -114,7 +130,7 @@ class LazyTensor(torch.Tensor):
         leaf that does, so that `numpy()` and DLPack export refuse it as eager does.
         """
         value = self.materialize(call)
-        with torch.utils._python_dispatch._disable_current_modes():
+        with no_dispatch_modes():
             if self.requires_grad:
                 value = value.detach().requires_grad_()
             return read(value)
