@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
 
 Handler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
 
@@ -59,7 +60,6 @@ def no_dispatch_modes() -> Iterator[None]:
     `_disable_current_modes` also pops the pre-dispatch modes, whose state is one per process:
     while a background compile runs torch.export, it took the export's proxy mode from that
     thread (its export lost it; putting it back failed with "slot already occupied")."""
-    from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _push_mode
     modes = [_pop_mode() for _ in range(_len_torch_dispatch_stack())]
     try:
         yield
