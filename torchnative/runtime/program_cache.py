@@ -122,7 +122,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     if background and delegates != (eager,) and not calibration.active():
         if key not in _building:
             job = _submit(build_program, build_graph(node, sig), delegates, list(inputs), quantize,
-                                     calibration_sets=calibration.sets((node, sig)))
+                          calibration_sets=calibration.sets((node, sig)))
             _building[key] = (job, list(inputs), [_state(t) for t in inputs])
         events.STATS.compiling_runs += 1
         return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
