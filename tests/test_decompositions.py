@@ -110,8 +110,7 @@ def test_gradients_equal_eager_bit_for_bit_on_eager_and_run_on_ort(name):
     assert torch.equal(got, expected), (got - expected).abs().max()
     got, e = _gradient(BACKWARD[name], "ort")
     declined = [n.target for g in e.graphs for n in g.op_nodes() if not REGISTRY["ort"].supports(n)]
-    # batch_norm's forward without running stats, which ort declines since the OpInfo sweep
-    assert declined == ([torch.ops.aten._native_batch_norm_legit.no_stats] if name == "batch_norm" else []), declined
+    assert declined == [], declined
     assert not torchnative.stats()["fallbacks"]
     torch.testing.assert_close(got, expected)
 

@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+from torch._decomp import decomposition_table
 
 from torchnative.ir import CapturedGraph
 from torchnative.passes.fuse import gelu_tanh_op, rms_norm_op, rope_op
@@ -49,6 +50,18 @@ def _total_weight_read(node: fx.Node) -> bool:
     return any(u.target is operator.getitem and u.args[1] == 1 and u.users for u in node.users)
 
 
+def _always(node: fx.Node) -> bool:
+    return True
+
+
+# Batch norm on batch statistics (train mode, TENT, BN re-estimation): torchlib's translation
+# disagrees with eager (OpInfo sweep), torch's decomposition (var_mean, rsqrt, the running stats'
+# momentum update with the unbiased variance) does not. Left to eager, each one cut a ResNet's
+# graph into a dozen partitions.
+BATCH_NORM_TRAINING = frozenset({torch.ops.aten._native_batch_norm_legit_functional.default,
+                                 torch.ops.aten._native_batch_norm_legit.no_stats})
+
+
 # Ops the door keeps whole (recording.ops.KEPT_WHOLE) whose torchlib translation fails some nodes:
 # a graph with such a node is decomposed for these ops, as the door would have recorded it
 _DECOMPOSED_WHERE = {
@@ -56,6 +69,7 @@ _DECOMPOSED_WHERE = {
     torch.ops.aten.mish.default: _float64,  # ONNX defines Mish with Softplus
     # torchlib's total_weight (which nll_loss_backward divides by) is the output's size, not a sum of weights
     torch.ops.aten.nll_loss_forward.default: _total_weight_read,
+    **{op: _always for op in BATCH_NORM_TRAINING},
 }
 
 
@@ -197,7 +211,7 @@ def translated(op: torch._ops.OpOverload) -> bool:
     """Does the export translate op? torchlib's or our translation; or, for an op the door keeps
     whole that torchlib lacks (recording.ops.KEPT_WHOLE), the exporter's own decomposition of it
     with torch's table: the ops the door would otherwise have recorded."""
-    return torchlib_registry().is_registered(op) or op in _translations() or \
+    return torchlib_registry().is_registered(op) or op in _translations() or op in BATCH_NORM_TRAINING or \
         (op in KEPT_WHOLE and op not in _WRONG_DECOMPOSITIONS)
 
 
@@ -213,6 +227,7 @@ def to_onnx(graph: CapturedGraph):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
-            exported = exported.run_decompositions({op: DECOMPOSITIONS[op] for op in _DECOMPOSED_WHERE})
+            exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
+                                                         for op in _DECOMPOSED_WHERE})
         return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else None,
                                  custom_translation_table=table).model_proto
