@@ -26,6 +26,7 @@ class GraphRun:
     partitions: tuple = ()   # ((delegate, n_ops), ...) in execution order
     replayed: bool = False   # run from a replay trace, without recording
     program: Any = None      # runtime.program.Program: its steps and declined nodes
+    not_compiled: str = ""   # why it ran on eager though delegates were asked for
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Stats:
     fused: Counter = field(default_factory=Counter)  # composite -> matches fused into partitions compiled
     disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
     compiling_runs: int = 0               # graph runs on eager while their program compiled in the background
+    not_compiled: Counter = field(default_factory=Counter)  # graph runs left on eager by the cost rules, by rule
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -117,7 +119,8 @@ class Stats:
                 "fallbacks": dict(self.fallbacks), "replays": self.replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
-                "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs}
+                "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs,
+                "not_compiled": dict(self.not_compiled)}
 
 
 STATS = Stats()

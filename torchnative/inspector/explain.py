@@ -19,6 +19,7 @@ class Explanation:
     graphs: list[CapturedGraph] = field(default_factory=list)
     partitions: list[tuple] = field(default_factory=list)  # per graph: ((delegate, n_ops), ...)
     programs: list = field(default_factory=list)           # per graph: its runtime.program.Program
+    not_compiled: list[str] = field(default_factory=list)  # per graph: why it ran on eager, or ""
     breaks: list[events.GraphBreak] = field(default_factory=list)
     fallbacks: list[events.Fallback] = field(default_factory=list)
     # with check=True: each delegate partition that ran, against eager on the same inputs
@@ -47,6 +48,8 @@ class Explanation:
             where = " → ".join(f"{d} {n}" for d, n in parts)
             lines.append(f"  graph {i}: {len(g.op_nodes())} ops [{where}], inputs {_roles(g.input_roles)}, "
                          f"outputs {_roles(g.output_roles)}")
+            if self.not_compiled[i]:
+                lines.append(f"    {self.not_compiled[i]}")
         for name, (role, why) in self.updatable.items():
             lines.append(f"  {role} {name}: {why}")
         for b in self.breaks:
@@ -98,6 +101,7 @@ def explain(fn: Callable, *args, check: bool = False, **kwargs) -> Explanation:
             result.graphs.append(e.graph)
             result.partitions.append(e.partitions)
             result.programs.append(e.program)
+            result.not_compiled.append(e.not_compiled)
         elif isinstance(e, events.GraphBreak):
             result.breaks.append(e)
         elif isinstance(e, events.Fallback):

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ import torch
 
 from torchnative import events
 from torchnative.recording import reset as forget_recordings
-from torchnative.recording.trie import TrieNode, Signature, build_graph
+from torchnative.recording.trie import INPUT, TrieNode, Signature, build_graph
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
 from torchnative.passes.pin import pin
@@ -42,6 +43,16 @@ def _under_autograd(inputs: list[torch.Tensor]) -> bool:
 COMPILE_AFTER = 2
 _programs: dict = {}
 _runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
+_first: dict = {}  # (graph key, delegates) -> its inputs' states at its first run, until it compiles
+
+# A graph whose input sizes change at every call (a decode step over transformers' DynamicCache:
+# the keys grow by one) is a new graph each time, and none repeats enough to repay its compile
+# (GPT-2's second generate() compiled 32 graphs in 158 s, eager ran it in 1.9 s). Once the same op
+# sequence has been recorded with more input sizes than this, a size not compiled yet runs on
+# eager, and says why. Graphs of one op sequence at one size (a model's repeated layers) count once.
+SIZE_LIMIT = 8
+_sizes: dict = {}  # op sequence (with inputs' ranks and dtypes) -> the input sizes recorded with it
+_skeletons: dict = {}  # graph key -> its op sequence
 
 # compiles off the critical path: one at a time (two cores: a second compile would take the
 # call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need.
@@ -82,6 +93,32 @@ class Found(NamedTuple):
     program: Program
     hit: bool        # from the cache, not built for this call
     stand_in: bool   # eager's program, run while the delegates' one compiles in the background
+    not_compiled: str = ""  # why the graph runs on eager though delegates were asked for
+
+
+def _sized(node: TrieNode) -> bool:
+    """Record node's graph under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
+    skeleton = _skeletons.get(node)
+    if skeleton is None:
+        path = node.path()
+        inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
+        skeleton = _skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
+                                       tuple(m and (len(m[0]), m[3]) for m in inputs))
+        sizes = tuple(m and m[0] for m in inputs)
+        seen = _sizes.setdefault(skeleton, set())
+        seen.add(sizes)
+        if len(seen) == SIZE_LIMIT + 1:
+            warnings.warn(f"torchnative: a graph's sizes change between calls ({SIZE_LIMIT + 1} input sizes of one "
+                          f"op sequence of {len(skeleton[0])} ops): sizes not compiled yet run on eager; "
+                          "torchnative.explain() shows which", stacklevel=2)
+    return len(_sizes[skeleton]) > SIZE_LIMIT
+
+
+def _varying(node: TrieNode) -> str:
+    return (f"not compiled: this graph's op sequence was recorded with {len(_sizes[_skeletons[node]])} input sizes "
+            f"(more than {SIZE_LIMIT}; its sizes change between calls, e.g. a KV cache that grows), and a "
+            f"size compiled once would not repay its compile; it runs on eager. A static cache "
+            f"(generate(..., cache_implementation='static')) keeps one size")
 
 
 def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
@@ -94,10 +131,18 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
-    elif compile_after > 1 and delegates != (eager,):
-        seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
-        if seen < compile_after:
-            delegates = (eager,)
+    elif delegates != (eager,):
+        varying = _sized(node)
+        if compile_after > 1:
+            seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
+            if seen == 1:
+                _first[node, sig, delegates] = [(_ref(t), _state(t)) for t in inputs]
+            if seen < compile_after:
+                delegates = (eager,)
+            else:
+                _pin_written_since_first_run(node, sig, delegates, inputs)
+        if varying and delegates != (eager,) and not _compiled(node, sig, delegates, quantize, inputs):
+            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_varying(node))
     differentiated = quantize is not None and _under_autograd(inputs)
     if differentiated:
         quantize = None
@@ -130,6 +175,29 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     candidates.append(p)
     events.STATS.graphs_built += 1
     return Found(p, False, False)
+
+
+def _pin_written_since_first_run(node: TrieNode, sig: Signature, delegates: tuple, inputs: list) -> None:
+    """A weight written between the eager runs before a graph compiles (a TENT step between two
+    forwards) would be baked into a program only to be found changed at the next run: it is
+    pinned before the first build."""
+    first = _first.pop((node, sig, delegates), None)
+    if first is None:
+        return
+    roles = [n.role for n in node.path() if n.op == INPUT]
+    for t, role, (ref, state) in zip(inputs, roles, first):
+        if role == "param" and ref is not None and ref() is t and _state(t) != state:
+            pin(t, f"written between two runs of a graph before it compiled (updated at test time): now an "
+                   f"input of every program, never baked, folded or quantized")
+
+
+def _compiled(node: TrieNode, sig: Signature, delegates: tuple, quantize: str | None, inputs: list) -> bool:
+    key = (node, sig, delegates, quantize)
+    return key in _building or any(p.valid_for(inputs) for p in _programs.get(key, ()))
+
+
+def _ref(x) -> weakref.ref | None:
+    return weakref.ref(x) if isinstance(x, torch.Tensor) else None
 
 
 def _state(x) -> tuple | None:
@@ -170,6 +238,9 @@ def clear_caches() -> None:
     """Forget every compiled program, recorded trie path and inferred shape (a cold start)."""
     _programs.clear()
     _runs.clear()
+    _first.clear()
+    _sizes.clear()
+    _skeletons.clear()
     _building.clear()
     calibration.forget()
     forget_recordings()

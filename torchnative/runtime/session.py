@@ -17,14 +17,17 @@ from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None,
               background: bool):
     def execute(node: TrieNode, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
-        program, hit, stand_in = program_for(node, sig, delegates, inputs, compile_after, quantize, background)
+        program, hit, stand_in, not_compiled = program_for(node, sig, delegates, inputs, compile_after, quantize,
+                                                           background)
         values = program(inputs)
         if tracer is not None:
             if stand_in:  # a replay would keep eager's program after the delegates' one is ready
                 tracer.refuse("a graph of it is compiling in the background")
             tracer.ran(program, inputs, values, roots)
         events.STATS.graph_runs += 1
-        events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program))
+        if not_compiled:
+            events.STATS.not_compiled[not_compiled.split(":")[0]] += 1
+        events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values
     return execute
 
