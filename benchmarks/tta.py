@@ -1,5 +1,6 @@
 """Test-time adaptation steps (issue 22): eager vs torch.compile vs torchnative.accelerate on the
-same step, in one run, engines interleaved with idle gaps.
+same step, in one run, engines interleaved with idle gaps; and the whole step (forward, backward
+and optimizer) inside `torchnative.capture` (capture[...]), which records it as one graph.
 
     python benchmarks/tta.py [--workloads tent,bn-stats,lora,dua] [--runs 8] [--delegates default]
 
@@ -137,6 +138,14 @@ def _dropout_off(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _captured(step: Callable[[], None], delegates: list[str] | None) -> Callable[[], None]:
+    """The whole step (forward, backward, optimizer) recorded by `capture`: one graph per step."""
+    def run():
+        with torchnative.capture(delegates, background=True):
+            step()
+    return run
+
+
 def _first_steps(step: Callable[[], None], n: int = 3) -> list[float]:
     return [elapsed(step) for _ in range(n)]
 
@@ -151,6 +160,7 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
         chosen = None if d == "default" else [d]
         makers[f"accel[{d}]"] = lambda chosen=chosen: method(torchnative.accelerate(copy.deepcopy(proto), delegates=chosen,
                                                                                background=True))
+        makers[f"capture[{d}]"] = lambda chosen=chosen: _captured(method(copy.deepcopy(proto)), chosen)
     row: dict = {"workload": name}
     engines: dict[str, Callable[[], None]] = {}
     for k, make in makers.items():
@@ -164,7 +174,7 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
     # steady state: accelerate's programs, compiled in the background, in place (a weight the
     # first steps pinned is rebuilt once more)
     for k, step in engines.items():
-        if k.startswith("accel"):
+        if k.startswith(("accel", "capture")):
             for _ in range(3):
                 torchnative.wait_for_compiles()
                 step()
@@ -220,7 +230,8 @@ def main() -> None:
             rows.append({"workload": w, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         print(f"  done {w}", flush=True)
         write("tta", {"torch": torch.__version__, "rows": rows, "dua": dua_rows, "complete": False})
-    engines = ["eager", *([] if a.no_compile else ["torch.compile"]), *(f"accel[{d}]" for d in delegates)]
+    engines = ["eager", *([] if a.no_compile else ["torch.compile"]),
+               *(f"{way}[{d}]" for d in delegates for way in ("accel", "capture"))]
     for r in rows:
         for e in engines + ["error"]:
             if f"{e}_error" in r or (e == "error" and "error" in r):

@@ -107,8 +107,15 @@ def _tolerance(delegate: str) -> dict:
     return dict(rtol=0, atol=0) if delegate == "eager" else dict(rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("delegate", ["eager", "ort"])
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def _cases():
+    for method in METHODS:
+        for delegate in ("eager", "ort"):
+            # DUA on ort: test_a_decaying_momentum_is_one_graph_not_one_per_step checks it over 50 steps
+            marks = [pytest.mark.slow] if (method.name, delegate) == ("dua", "ort") else []
+            yield pytest.param(method, delegate, marks=marks, id=f"{method.name}-{delegate}")
+
+
+@pytest.mark.parametrize("method,delegate", _cases())
 def test_adaptation_steps_match_eager(method, delegate):
     model = _resnet()
     eager = method.setup(copy.deepcopy(model))
@@ -175,3 +182,31 @@ def test_record_function_ranges_do_not_block_replay():
         assert_same(_record_function_step(model, x, i), _record_function_step(eager, x, i), rtol=1e-4, atol=1e-4)
     s = torchnative.stats()
     assert s["replays"] >= 2 and not s["replay_ineligible"] and not s["syncs"], s
+
+
+def test_a_whole_step_in_capture_is_one_graph_with_its_backward_and_optimizer_on_ort():
+    """Inside `capture`, the step's backward and the optimizer's ops pass the door too: each step is
+    one graph (forward, backward, SGD update) compiled once, its backward ops in ort's partitions
+    but convolution_backward (no ONNX translation), and 20 steps stay eager's."""
+    model = _resnet()
+    eager, accelerated = _tent_setup(copy.deepcopy(model)), _tent_setup(copy.deepcopy(model))
+    clear_caches()
+    torchnative.reset_stats()
+    for i in range(STEPS):
+        x = _images(i)
+        with torchnative.capture(["ort"]):
+            got = _tent_step(accelerated, x, i)
+        assert_same(got, _tent_step(eager, x, i), **_tolerance("ort"))
+    assert_same(dict(accelerated[0].state_dict()), dict(eager[0].state_dict()), **_tolerance("ort"))
+    assert_same([s["momentum_buffer"] for s in accelerated[1].state.values()],
+                [s["momentum_buffer"] for s in eager[1].state.values()], **_tolerance("ort"))
+    s = torchnative.stats()
+    assert s["graph_runs"] == STEPS and not s["syncs"] and not s["fallbacks"], s
+    compiled = [p for p in programs() if any(d == "ort" for d, _ in p.partitions)]
+    assert len(compiled) == 1, [p.partitions for p in programs()]
+    on_ort = {n.target for st in compiled[0].steps if st.delegate == "ort" for n in st.graph.op_nodes()}
+    assert torch.ops.aten.native_batch_norm_backward.default in on_ort
+    assert torch.ops.aten.convolution.default in on_ort
+    # SGD's update is in the graph: each BN parameter and its momentum buffer are written by it
+    written = sum(r == "state" for r in compiled[0].graph.input_roles)
+    assert written == 2 * len(accelerated[1].param_groups[0]["params"]), written
