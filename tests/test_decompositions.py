@@ -110,7 +110,8 @@ def test_gradients_equal_eager_bit_for_bit_on_eager_and_run_on_ort(name):
     assert torch.equal(got, expected), (got - expected).abs().max()
     got, e = _gradient(BACKWARD[name], "ort")
     declined = [n.target for g in e.graphs for n in g.op_nodes() if not REGISTRY["ort"].supports(n)]
-    assert declined == [], declined
+    # batch norm's backward, which ort declines as slower than eager's kernel
+    assert declined == ([torch.ops.aten.native_batch_norm_backward.default] if name == "batch_norm" else []), declined
     assert not torchnative.stats()["fallbacks"]
     torch.testing.assert_close(got, expected)
 

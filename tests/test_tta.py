@@ -186,8 +186,8 @@ def test_record_function_ranges_do_not_block_replay():
 
 def test_a_whole_step_in_capture_is_one_graph_with_its_backward_and_optimizer_on_ort():
     """Inside `capture`, the step's backward and the optimizer's ops pass the door too: each step is
-    one graph (forward, backward, SGD update) compiled once, its backward ops in ort's partitions
-    but convolution_backward (no ONNX translation), and 20 steps stay eager's."""
+    one graph (forward, backward, SGD update) compiled once, the forward on ort, convolution_backward
+    (no ONNX translation) and batch norm's backward (slower there) on eager, and 20 steps stay eager's."""
     model = _resnet()
     eager, accelerated = _tent_setup(copy.deepcopy(model)), _tent_setup(copy.deepcopy(model))
     clear_caches()
@@ -204,9 +204,10 @@ def test_a_whole_step_in_capture_is_one_graph_with_its_backward_and_optimizer_on
     assert s["graph_runs"] == STEPS and not s["syncs"] and not s["fallbacks"], s
     compiled = [p for p in programs() if any(d == "ort" for d, _ in p.partitions)]
     assert len(compiled) == 1, [p.partitions for p in programs()]
-    on_ort = {n.target for st in compiled[0].steps if st.delegate == "ort" for n in st.graph.op_nodes()}
-    assert torch.ops.aten.native_batch_norm_backward.default in on_ort
-    assert torch.ops.aten.convolution.default in on_ort
+    on = {d: {n.target for st in compiled[0].steps if st.delegate == d for n in st.graph.op_nodes()}
+          for d in ("ort", "eager")}
+    assert torch.ops.aten.convolution.default in on["ort"]
+    assert {torch.ops.aten.convolution_backward.default, torch.ops.aten.native_batch_norm_backward.default} <= on["eager"]
     # SGD's update is in the graph: each BN parameter and its momentum buffer are written by it
     written = sum(r == "state" for r in compiled[0].graph.input_roles)
     assert written == 2 * len(accelerated[1].param_groups[0]["params"]), written

@@ -25,6 +25,10 @@ _INDEX_PUT = torch.ops.aten.index_put.default
 # found wrong by the OpInfo sweep (tests/opinfo_sweep.py --delegates ort)
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
                     "aminmax", "view_as_complex", "view_as_real", "complex", "polar"})
+# measured slower on ONNX Runtime than eager's kernel, by far
+_SLOWER = {torch.ops.aten.native_batch_norm_backward.default:
+           "slower in ONNX Runtime than eager's fused kernel (its reductions over N, H, W of an NCHW tensor: a "
+           "ResNet-50 TENT step's BN backward partitions took 100-300 ms each)"}
 _REDUCTIONS = frozenset({"amax", "amin", "logsumexp", "max", "min", "argmax", "argmin"})
 # Equal values come out of torch's CPU topk and unstable sort in the order its selection
 # (std::nth_element, partial_sort, an unstable sort) leaves them, out of ONNX's TopK lower index
@@ -86,6 +90,8 @@ class OnnxRuntime:
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
+        if node.target in _SLOWER:
+            return Support(False, _SLOWER[node.target])
         if node.target in _TIE_ORDER and any(u.target is operator.getitem and u.args[1] == 1 and u.users
                                              for u in node.users):
             return Support(False, f"{node.target}'s indices: torch orders equal values as its CPU kernel's selection "
