@@ -49,7 +49,7 @@ class Explanation:
             lines.append(f"  graph {i}: {len(g.op_nodes())} ops [{where}], inputs {_roles(g.input_roles)}, "
                          f"outputs {_roles(g.output_roles)}")
             if self.not_compiled[i]:
-                lines.append(f"    {self.not_compiled[i]}")
+                lines.append(f"    not compiled, {self.not_compiled[i]}")
         for name, (role, why) in self.updatable.items():
             lines.append(f"  {role} {name}: {why}")
         for b in self.breaks:

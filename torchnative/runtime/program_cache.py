@@ -115,7 +115,7 @@ def _sized(node: TrieNode) -> bool:
 
 
 def _varying(node: TrieNode) -> str:
-    return (f"not compiled: this graph's op sequence was recorded with {len(_sizes[_skeletons[node]])} input sizes "
+    return (f"sizes vary: this graph's op sequence was recorded with {len(_sizes[_skeletons[node]])} input sizes "
             f"(more than {SIZE_LIMIT}; its sizes change between calls, e.g. a KV cache that grows), and a "
             f"size compiled once would not repay its compile; it runs on eager. A static cache "
             f"(generate(..., cache_implementation='static')) keeps one size")
@@ -132,7 +132,8 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
     elif delegates != (eager,):
-        varying = _sized(node)
+        if _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
+            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_varying(node))
         if compile_after > 1:
             seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
             if seen == 1:
@@ -141,8 +142,6 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
                 delegates = (eager,)
             else:
                 _pin_written_since_first_run(node, sig, delegates, inputs)
-        if varying and delegates != (eager,) and not _compiled(node, sig, delegates, quantize, inputs):
-            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_varying(node))
     differentiated = quantize is not None and _under_autograd(inputs)
     if differentiated:
         quantize = None
