@@ -133,6 +133,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
         delegates = (eager,)
     elif delegates != (eager,):
         if _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
+            events.STATS.not_compiled["sizes vary"] += 1
             return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_varying(node))
         if compile_after > 1:
             seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1

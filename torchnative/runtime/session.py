@@ -25,8 +25,6 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
                 tracer.refuse("a graph of it is compiling in the background")
             tracer.ran(program, inputs, values, roots)
         events.STATS.graph_runs += 1
-        if not_compiled:
-            events.STATS.not_compiled[not_compiled.split(":")[0]] += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values
     return execute
