@@ -39,11 +39,11 @@ class Decoder:
     starts over (transformers' StaticCache keeps its own write position) and records how long its
     decode steps took."""
 
-    def __init__(self, model, prompt: torch.Tensor, steps: int):
+    def __init__(self, model, prompt: torch.Tensor, steps: int, cache_len: int | None = None):
         from transformers import StaticCache
 
         self.model, self.prompt, self.steps = model, prompt, steps
-        self.cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + steps)
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len or prompt.shape[1] + steps)
         self.decode_s: list[float] = []
 
     def prefill(self) -> torch.Tensor:

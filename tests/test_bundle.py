@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -291,6 +292,42 @@ def test_other_weights_reuse_weightless_ort_artifacts(cache_dir):
     # same shapes reuses them with its own weights, and its outputs are its own
     warm = _run_cold_then_warm(0, 1)
     assert warm.get("hits", 0) >= 2 and "misses" not in warm, warm
+
+
+def _int4_bert(seed: int):
+    """Tiny BERT accelerated on ort with int4 weights, its inputs, and eager's result with the
+    weights dequantized (the same graph on eager)."""
+    model = models.transformers_model("BertModel", "tiny", seed=seed)
+    inputs = models.default_inputs(model)
+    with torch.no_grad(), torchnative.capture(["eager"], compile_after=1, quantize="int4"):
+        expected = model(**inputs).last_hidden_state + 0
+    torchnative.accelerate(model, delegates=["ort"], compile_after=1, quantize="int4")
+    return model, inputs, expected
+
+
+def test_low_bit_layouts_are_made_at_load_from_the_weights_given(cache_dir):
+    # the int4 artifact names passes.quantize's int8 values, not MatMulNBits' packed ones: a second
+    # start, with another model of the same shapes, reuses the artifact and computes with its own weights
+    for seed, cold in ((0, True), (1, False)):
+        clear_caches()
+        torchnative.reset_stats()
+        model, inputs, expected = _int4_bert(seed)
+        with torch.no_grad():
+            got = model(**inputs).last_hidden_state
+        assert not torchnative.stats()["fallbacks"]
+        assert (torchnative.stats()["fused"].get("quantized_mm", 0) > 0) == cold  # a warm start compiles nothing
+        assert ("misses" in torchnative.stats()["disk_cache"]) == cold, torchnative.stats()["disk_cache"]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
+
+
+def test_an_int4_bundle_runs_the_low_bit_kernel_in_a_fresh_process(tmp_path):
+    bundle = tmp_path / "bert.bundle"
+    _compile("BertModel", bundle, "--targets", "ort", "--quantize", "int4")
+    _, inputs, expected = _int4_bert(0)
+    payloads = [f.read_bytes() for f in bundle.rglob("*.onnx")]
+    assert payloads and any(n.op_type == "MatMulNBits" for p in payloads for n in onnx.load_from_string(p).graph.node)
+    got = _fresh_run(bundle, inputs, tmp_path)["last_hidden_state"]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 
 def _conv(seed: int) -> torch.nn.Module:

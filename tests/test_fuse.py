@@ -1,6 +1,8 @@
 """Fusion into named composites (passes.fuse): the patterns transformers' RMSNorm, rotary
 embedding and tanh GELU record are found, each composite computes exactly what its pattern did,
 a pattern is left alone when fusing it would be wrong, and ONNX Runtime maps them to its kernels."""
+import copy
+
 import onnx
 import pytest
 import torch
@@ -188,3 +190,85 @@ def test_gelu_of_integers_is_not_fused(fusing):
         got = gelu(x) + 0
     assert torchnative.stats()["fused"] == {} and not torchnative.stats()["fallbacks"]
     assert torch.equal(got, gelu(x))
+
+
+def _gpt2_with_biases():
+    """Tiny GPT-2 without its cache; biases nonzero (GPT-2 starts them at zero, and a zero bias
+    is dropped from the graph: its addmm would be an mm)."""
+    model = models.build("gpt2")
+    model.config.use_cache = False
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model, models.example_inputs("gpt2", model)
+
+
+def _dequantized_copy(model, scheme):
+    """The model with the weights its matmuls read dequantized as passes.quantize makes them: a
+    Linear's (out, in), a Conv1D's (in, out); the embedding GPT-2's LM head is tied to stays float."""
+    from transformers.pytorch_utils import Conv1D
+
+    from torchnative.passes.quantize import dequantized
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, (torch.nn.Linear, Conv1D)):
+                # a Parameter of its own: the LM head's, tied to the embedding, is dequantized alone
+                m.weight = torch.nn.Parameter(dequantized(m.weight, scheme, in_out=isinstance(m, Conv1D)))
+    return ref
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_matmuls_compute_exactly_what_their_patterns_did(fusing, scheme):
+    model, inputs = _gpt2_with_biases()
+    with torch.no_grad():
+        torchnative.reset_stats()
+        with torchnative.capture(fusing, compile_after=1, quantize=scheme):
+            got = model(**inputs).logits + 0
+        # 4 Conv1D per layer (addmm, their bias in it) and the tied LM head (mm)
+        assert torchnative.stats()["fused"] == {"quantized_addmm": 8, "quantized_mm": 1, "gelu_tanh": 2}
+        with torchnative.capture(["eager"], compile_after=1, quantize=scheme):
+            unfused = model(**inputs).logits + 0
+        assert torch.equal(got, unfused)
+        # and that is the model with its weights dequantized, to float32 rounding of the matmuls' layouts
+        torch.testing.assert_close(got, _dequantized_copy(model, scheme)(**inputs).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme, kernel", [("int8", "MatMulInteger"), ("int4", "MatMulNBits")])
+def test_onnx_runtime_runs_quantized_weights_on_its_low_bit_kernels(monkeypatch, scheme, kernel):
+    payloads = []
+    compile_ = ort_delegate.delegate.compile
+
+    def spy(graph):
+        artifact = compile_(graph)
+        payloads.append(artifact)
+        return artifact
+
+    monkeypatch.setattr(ort_delegate.delegate, "compile", spy)
+    model, inputs = _gpt2_with_biases()
+    reference = _dequantized_copy(model, scheme)
+    accelerated = torchnative.accelerate(model, delegates=["ort"], quantize=scheme)
+    torchnative.reset_stats()
+    with torch.no_grad():
+        want = reference(**inputs).logits
+        for _ in range(4):  # recorded, compiled at the second call, then replayed
+            got = accelerated(**inputs).logits
+    assert torchnative.stats()["replays"] >= 1 and not torchnative.stats()["fallbacks"]
+    graphs = [onnx.load_from_string(a.payload).graph for a in payloads]
+    kinds = [n.op_type for g in graphs for n in g.node]
+    assert kinds.count(kernel) == 9 and "Gemm" not in kinds
+    # the float MatMuls left are attention's, of activations: none reads a weight
+    assert not [n for g in graphs for n in g.node if n.op_type == "MatMul" and set(n.input) & {i.name for i in g.initializer}]
+    # the artifact keeps the graph's int8 values, not float matrices (but the embedding tables a
+    # Gather reads): its low-bit layouts are made at load
+    weights = [t for a in payloads for t in a.constants.values()]
+    tables = {model.transformer.wte.weight.data_ptr(), model.transformer.wpe.weight.data_ptr()}
+    assert sum(t.dtype == torch.int8 for t in weights) == 9
+    assert {t.data_ptr() for t in weights if t.dtype == torch.float32 and t.dim() == 2} <= tables
+    # int8 quantizes the activations too (per tensor), int4 computes in int8 blocks: the stated
+    # error against the dequantized weights' result, measured on GPT-2 small's logits in
+    # benchmarks/quantized_decode.py, is ~1 % of the largest logit
+    error = (got - want).abs()
+    assert error.max() < 0.05 * want.abs().max() and error.mean() < 0.01 * want.abs().max()

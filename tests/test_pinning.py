@@ -120,13 +120,20 @@ def test_tta_stage1_tent_adapts_bn_affine_parameters_like_eager(quantize):
     reference = _with_dequantized_weights(copy.deepcopy(eager), quantize)
     with record(events.ProgramBuilt) as evaluated, torch.no_grad():
         outs = [accel(pixel_values=x).logits for _ in range(3)]
-        torch.testing.assert_close(outs[-1], reference(pixel_values=x).logits, rtol=1e-4, atol=1e-5)
+        # the convolutions compute with their dequantized weights, the classifier on ONNX Runtime's int8 kernel
+        _close_to_dequantized(outs[-1], reference(pixel_values=x).logits)
     graph = evaluated[-1].program.graph
     placeholders = [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
     assert any(p.meta["val"].dtype == torch.int8 for p in placeholders), "the conv weights are int8"
     inputs = dict(zip(placeholders, graph.input_roles))
     bn = [p for p, role in inputs.items() if role == "pinned"]
     assert bn and all(p.meta["val"].dtype == torch.float32 for p in bn)
+
+
+def _close_to_dequantized(got, want):
+    """Within ONNX Runtime's int8 kernel's error of eager with the dequantized weights: its
+    MatMulInteger quantizes the activations too (2 % of the largest value)."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
 
 
 def _mlp():
@@ -146,7 +153,7 @@ def test_quantize_int8_leaves_pinned_submodule_float():
     torchnative.accelerate(model, delegates=DELEGATES, quantize="int8")
     with torch.no_grad():
         built = _programs_built(lambda: [model(x) for _ in range(3)])
-        torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5)
+        _close_to_dequantized(model(x), reference(x))
     graph = built[-1].program.graph
     roles = dict(zip([n.name for n in graph.gm.graph.nodes if n.op == "placeholder"], graph.input_roles))
     placeholders = {n.name: n for n in graph.gm.graph.nodes if n.op == "placeholder"}
@@ -236,8 +243,9 @@ def test_fast_weights_stream_like_eager_and_are_never_quantized():
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(W, expected_W, rtol=1e-4, atol=1e-5)
-    # int8: the projections are quantized, the fast weight never is: the result equals eager run
-    # with the dequantized projection weights, however far W drifts over the 8 chunks
+    # int8: the projections are quantized, the fast weight never is: the result is that of eager
+    # with the dequantized projection weights (to the int8 kernel's error), however far W drifts
+    # over the 8 chunks
     model = torchnative.accelerate(copy.deepcopy(eager), delegates=DELEGATES, quantize="int8")
     reference = copy.deepcopy(eager)
     with torch.no_grad():
@@ -248,8 +256,8 @@ def test_fast_weights_stream_like_eager_and_are_never_quantized():
     got, W = streamed[0]
     expected, expected_W = _stream(reference, chunks)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(W, expected_W, rtol=1e-4, atol=1e-5)
+        _close_to_dequantized(a, b)
+    _close_to_dequantized(W, expected_W)
     # in the compiled graph of a later chunk, W ([B, H, d, d]) is a float runtime input that feeds
     # matmuls directly: not baked, folded or quantized
     graph = built[-1].program.graph

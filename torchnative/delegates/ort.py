@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.delegates.base import tensors
-from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, slice_write, to_onnx, translated
+from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, slice_write, to_onnx, translated
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.fuse import COMPOSITES
@@ -53,6 +53,18 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
             init.data_location = onnx.TensorProto.EXTERNAL
             moved.append(init.name)
     return moved
+
+
+def _add_initializers(model, tensors: dict[str, torch.Tensor]) -> None:
+    """The tensors as initializers; those no node reads any more (a low-bit kernel's weight's
+    source) removed."""
+    from onnx import numpy_helper
+
+    for name, t in tensors.items():
+        model.graph.initializer.append(numpy_helper.from_array(t.numpy(), name))
+    read = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    for init in [init for init in model.graph.initializer if init.name not in read]:
+        model.graph.initializer.remove(init)
 
 
 class OnnxRuntime:
@@ -106,12 +118,19 @@ class OnnxRuntime:
                    for n in graph.outputs()]
         graph, written = _functional_writes(graph)
         model = to_onnx(graph)
-        external = _externalize(model, graph.constants)
+        recipe = low_bit_layouts(model)
+        made = laid_out(recipe, graph.constants)
+        if made:
+            _add_initializers(model, made)
+        external = _externalize(model, {**graph.constants, **made})
         meta = {"n_outputs": len(outputs), "external": sorted(external)}
+        if recipe:
+            meta["low_bit"] = recipe
         if written:
             reused = [k for k, role in enumerate(graph.output_roles[:len(outputs)]) if role == "written_back"]
             meta.update(written=written, outputs=outputs, reused=reused)
-        return Artifact(self.name, model.SerializeToString(), meta, {n: graph.constants[n] for n in external})
+        kept = [n for n in external if n in graph.constants] + [source for _, source in recipe.values()]
+        return Artifact(self.name, model.SerializeToString(), meta, {n: graph.constants[n] for n in kept})
 
     def load(self, artifact: Artifact) -> Runner:
         import onnxruntime as ort
@@ -127,10 +146,15 @@ class OnnxRuntime:
         # BERT 206-226 vs 216-243 ms (always spinning: 42.8-51.9 and 261-272 ms).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1")
         options.add_session_config_entry("session.force_spinning_stop", "1")
-        missing = [n for n in artifact.meta.get("external", ()) if n not in artifact.constants]
+        recipe = artifact.meta.get("low_bit", {})
+        if any(source not in artifact.constants for _, source in recipe.values()):
+            raise ValueError(f"the ONNX model's low-bit weights are made from weights {sorted(s for _, s in recipe.values())[:3]} "
+                             "that were not given to load")
+        constants = {**artifact.constants, **laid_out(recipe, artifact.constants)}
+        missing = [n for n in artifact.meta.get("external", ()) if n not in constants]
         if missing:
             raise ValueError(f"the ONNX model names weights {missing[:3]} that were not given to load")
-        weights = {n: artifact.constants[n].detach().contiguous().numpy() for n in artifact.meta.get("external", ())}
+        weights = {n: constants[n].detach().contiguous().numpy() for n in artifact.meta.get("external", ())}
         values = [ort.OrtValue.ortvalue_from_numpy(w) for w in weights.values()]  # views of the tensors: no copy
         if weights:
             options.add_external_initializers(list(weights), values)

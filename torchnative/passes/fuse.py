@@ -62,7 +62,21 @@ def _(x):
     return torch.empty_like(x)
 
 
-# ---- patterns: (op, *args) tuples; "$name" binds a node or a value, a repeated name must agree
+@torch.library.custom_op("torchnative::quantized_mm", mutates_args=())
+def quantized_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """x @ wᵀ (+ bias) with w = q · scale, q's `bits`-bit integers in groups along w's input
+    dimension ([out, groups, group] int8, scale [out, groups, 1]): passes.quantize's dequantized
+    weight as a linear layer reads it, in the ops it was recorded as."""
+    w = (q.to(torch.float32) * scale).view(q.shape[0], -1).t()
+    return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
+
+@quantized_mm.register_fake
+def _(x, q, scale, bias, bits):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+# ---- patterns: (op, *args[, {kwargs}]) tuples; "$name" binds a node or a value, a repeated name must agree
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
 
@@ -74,8 +88,10 @@ def _match(pattern, arg, env: dict) -> bool:
         env[pattern] = arg
         return True
     if isinstance(pattern, tuple):
-        if not isinstance(arg, fx.Node) or arg.target != pattern[0] or arg.kwargs:
+        kwargs = pattern[-1] if isinstance(pattern[-1], dict) else {}
+        if not isinstance(arg, fx.Node) or arg.target != pattern[0] or arg.kwargs != kwargs:
             return False
+        pattern = pattern[:-1] if kwargs else pattern
         orders = [pattern[1:]]
         if pattern[0] in _COMMUTATIVE:
             orders.append(pattern[1:][::-1])
@@ -178,7 +194,31 @@ def _rope(env: dict):
     return rope_op, (x, cos, sin)
 
 
+# a weight passes.quantize made low-bit, dequantized, as a linear layer (or Conv1D) reads it
+_DEQUANTIZED = (aten.permute.default, (aten.view.default, (aten.mul.Tensor, (
+    aten._to_copy.default, "$q", {"dtype": torch.float32}), "$scale"), "$shape"), [1, 0])
+_QUANTIZED_MM = (aten.mm.default, "$x", _DEQUANTIZED)
+_QUANTIZED_ADDMM = (aten.addmm.default, "$bias", "$x", _DEQUANTIZED)
+BITS = {"int8": 8, "int4": 4}
+
+
+def _quantized_mm(env: dict):
+    q, scale, x, bias = env["$q"], env["$scale"], env["$x"], env.get("$bias")
+    qv, sv, xv, bv = _val(q), _val(scale), _val(x), _val(bias)
+    scheme = q.meta.get("quantized") if isinstance(q, fx.Node) else None
+    if scheme not in BITS or qv is None or sv is None or xv is None or qv.dtype != torch.int8 or qv.dim() != 3:
+        return None
+    n, groups, group = qv.shape
+    if sv.shape != (n, groups, 1) or sv.dtype != torch.float32 or xv.dim() != 2 or xv.dtype != torch.float32 \
+            or xv.shape[1] != groups * group or env["$shape"] != [n, groups * group]:
+        return None
+    if bias is not None and (bv is None or bv.dtype != torch.float32 or bv.shape != (n,)):
+        return None
+    return quantized_mm_op, (x, q, scale, bias, BITS[scheme])
+
+
 rms_norm_op = torch.ops.torchnative.rms_norm.default
+quantized_mm_op = torch.ops.torchnative.quantized_mm.default
 rope_op = torch.ops.torchnative.rope.default
 gelu_tanh_op = torch.ops.torchnative.gelu_tanh.default
 
@@ -188,6 +228,11 @@ class Composite:
     pattern: tuple
     build: Callable[[dict], tuple | None]  # bound pattern → (op, args), or None when the match does not qualify
     dtypes: frozenset  # what its fused kernel computes in: every tensor operand has one of them, the same
+    # shaped and typed like its first operand, its operands of one dtype (build checks the others')
+    like_first: bool = True
+    # its inner values read by no one else (else they would be computed twice); a dequantized
+    # weight that an embedding reads too (tied) is computed for it alone, once, at load
+    exclusive: bool = True
 
 
 # ONNX's type constraints: RMSNormalization and Gelu take float16/32/64 and bfloat16, RotaryEmbedding
@@ -199,6 +244,9 @@ COMPOSITES: dict[str, Composite] = {
     "rms_norm": Composite(_RMS, _rms_norm, _FLOATS),
     "rope": Composite(_ROPE, _rope, _FLOATS - {torch.float64}),
     "gelu_tanh": Composite(_GELU, _gelu, _FLOATS),
+    "quantized_mm": Composite(_QUANTIZED_MM, _quantized_mm, frozenset({torch.float32}), like_first=False, exclusive=False),
+    "quantized_addmm": Composite(_QUANTIZED_ADDMM, _quantized_mm, frozenset({torch.float32}), like_first=False,
+                                 exclusive=False),
 }
 
 
@@ -207,6 +255,8 @@ def _qualifies(root: fx.Node, args: tuple, c: Composite) -> bool:
     typed like its first operand (its fake says so), and a fused kernel binds all its operands to
     one element type: a match that promotes (x · int64 cos is float32), or broadcasts past its
     first operand, is another function."""
+    if not c.like_first:
+        return True
     out, first = _val(root), _val(args[0])
     if out is None or first is None or (out.shape, out.dtype) != (first.shape, first.dtype):
         return False
@@ -231,7 +281,7 @@ def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
                 continue
             built = c.build(env)
             leaves = {v for v in env.values() if isinstance(v, fx.Node)}
-            if built is None or not _qualifies(root, built[1], c) or not _self_contained(root, leaves):
+            if built is None or not _qualifies(root, built[1], c) or (c.exclusive and not _self_contained(root, leaves)):
                 continue
             op, args = built
             with g.inserting_before(root):

@@ -1,14 +1,20 @@
 """Weight quantization: float weights that feed a matmul or convolution (through views) become
 int8 values plus float scales, dequantized in the graph — int8 per output channel, or int4 in
 groups of 32 along the input dimension (held in int8). Only `param` inputs; `pinned` and `state` tensors are never quantized.
+A 2-D weight that a matmul reads as it is, (in, out) (transformers' Conv1D), is quantized as its
+transpose, so that the groups run along the input dimension as for nn.Linear's (out, in): the
+dequantized values then reach every matmul as `permute(view(q · scale, (out, in)), [1, 0])`, the form that
+passes.fuse's quantized_mm matches (a delegate with low-bit kernels runs it as one). The
+quantized constant's placeholder names its scheme in `meta["quantized"]`.
 
 GGUF k-quants (q8_0, q4k), whose kernels are candle's: a matmul's 2-D weight operand, quantized
 in blocks along its input dimension by candle, becomes a constant holding the dequantized values
 (what eager and every other delegate compute with) whose placeholder carries the candle QTensor
 (`meta["kquant"]`), which the candle delegate runs with its k-quant matmul.
 
-`dequantized(w, scheme)` is the float weight the graph computes, for references and accuracy
-checks (for k-quants, of an (out, in) weight as nn.Linear holds it)."""
+`dequantized(w, scheme, in_out)` is the float weight the graph computes, for references and accuracy
+checks (for k-quants, of an (out, in) weight as nn.Linear holds it; `in_out`: a weight read as (in,
+out), as above)."""
 from __future__ import annotations
 
 import os
@@ -37,6 +43,10 @@ def _feeds_matmul(n: fx.Node) -> bool:
     return any(u.target in _MATMULS or (u.target in _VIEWS and _feeds_matmul(u)) for u in n.users)
 
 
+def _on_path_to_matmul(u: fx.Node) -> bool:
+    return u.target in _MATMULS or (u.target in _VIEWS and _feeds_matmul(u))
+
+
 def _grouped(w: torch.Tensor, group: int | None) -> torch.Tensor:
     rows = w.reshape(w.shape[0], -1)
     return rows.unsqueeze(1) if group is None else rows.reshape(w.shape[0], -1, group)
@@ -50,8 +60,11 @@ def quantize_tensor(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.T
     return (g / scale).round().clamp(-top - 1, top).to(torch.int8), scale
 
 
-def dequantized(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The weight as the quantized graph computes it."""
+def dequantized(w: torch.Tensor, scheme: str, in_out: bool = False) -> torch.Tensor:
+    """The weight as the quantized graph computes it; `in_out`: a 2-D weight that matmuls read as
+    it is, (in, out) (transformers' Conv1D), quantized along its first dimension."""
+    if in_out:
+        return dequantized(w.t().contiguous(), scheme).t()
     if scheme in KQUANTS:
         return kquantized(w, scheme)[1].to(w.dtype)
     q, scale = quantize_tensor(w, scheme)
@@ -92,12 +105,18 @@ def why_not(w: torch.Tensor, scheme: str) -> str:
     return ""
 
 
-def _cached(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (id(w), w._version, scheme)
+def _cached(w: torch.Tensor, scheme: str, in_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (id(w), w._version, scheme, in_out)
     hit = _cache.get(key)
     if hit is None or hit[0]() is not w:  # a weakref: the cache must not keep old weights alive
-        hit = _cache[key] = (weakref.ref(w), *quantize_tensor(w, scheme))
+        hit = _cache[key] = (weakref.ref(w), *quantize_tensor(w.detach().t().contiguous() if in_out else w, scheme))
     return hit[1], hit[2]
+
+
+def _read_as_in_out(p: fx.Node) -> bool:
+    """Is this 2-D weight read only as a matmul's second operand, as it is (transformers' Conv1D)?"""
+    return p.meta["val"].dim() == 2 and all(u.target in _MAT2 and u.args.index(p) == _MAT2[u.target] and
+                                            u.args.count(p) == 1 for u in p.users)
 
 
 def _matmul_weights(graph: CapturedGraph) -> list[tuple[fx.Node, list[fx.Node], int]]:
@@ -166,22 +185,31 @@ def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: s
         events.STATS.quantized[f"{scheme}: {reason or 'quantized'}"] += 1
         if reason:
             continue
-        q, scale = _cached(w, scheme)
+        in_out = _read_as_in_out(p)
+        q, scale = _cached(w, scheme, in_out)
         qp, sp = add_constant(graph, p, f"{p.name}_q"), add_constant(graph, p, f"{p.name}_scale")
         qp.meta["val"], sp.meta["val"] = q.to("meta"), scale.to("meta")
+        qp.meta["quantized"] = scheme
         derived.tensors += [q, scale]
         derived.sources.add(i)
-        with g.inserting_after(sp):
+        shape = list(w.shape[::-1]) if in_out else list(w.shape)
+        with g.inserting_before(sp.next):  # in this order, after the placeholders
             f = g.call_function(aten._to_copy.default, (qp,), {"dtype": torch.float32})
-        with g.inserting_after(f):
             m = g.call_function(aten.mul.Tensor, (f, sp))
-        with g.inserting_after(m):
-            deq = g.call_function(aten.view.default, (m, list(w.shape)))
+            deq = g.call_function(aten.view.default, (m, shape))
+            made = [f, m, deq]
+            if in_out:
+                deq = g.call_function(aten.permute.default, (deq, [1, 0]))
+                made.append(deq)
         f.meta["val"] = q.to("meta").to(torch.float32)
         m.meta["val"] = f.meta["val"] * sp.meta["val"]
-        deq.meta["val"] = m.meta["val"].view(w.shape)
-        for x in (f, m, deq):
+        made[2].meta["val"] = m.meta["val"].view(shape)
+        if in_out:
+            deq.meta["val"] = made[2].meta["val"].t()
+        for x in made:
             x.meta["stack"] = p.meta.get("stack") or ("<quantize>", 0)
-        p.replace_all_uses_with(deq)
+        # only where a matmul reads it: an embedding whose table is tied to the LM head reads the
+        # float table, whether or not a cut put the head in another graph
+        p.replace_all_uses_with(deq, delete_user_cb=_on_path_to_matmul)
     graph.gm.recompile()
     return graph
