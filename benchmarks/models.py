@@ -98,15 +98,16 @@ class _DecodeStep(torch.nn.Module):
         return out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values))
 
 
-def _ort_decode_standalone(model, ids):
-    """The decode step exported whole: position 128 over the 128-token past of `ids`."""
+def _ort_decode_standalone(model, ids, transform=None):
+    """The decode step exported whole: position 128 over the 128-token past of `ids`;
+    `transform`: ModelProto → ModelProto (a quantizer) before the session is made."""
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).past_key_values
         past = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         args = (ids[:, -1:], torch.tensor([[ids.shape[1]]]), *past)
         names = ["input_ids", "position_ids"] + [f"past_{kv}_{i}" for i in range(len(past) // 2) for kv in "kv"]
         program = torch.onnx.export(_DecodeStep(model), args, input_names=names, dynamo=True, verbose=False)
-    session = _session(program.model_proto)
+    session = _session(transform(program.model_proto) if transform else program.model_proto)
     feed = dict(zip(names, (a.numpy() for a in args)))
     feed = {i.name: feed[i.name] for i in session.get_inputs()}
     return lambda: session.run(None, feed)

@@ -3,18 +3,23 @@ cache of 128 positions, 32 new tokens) and BERT-base prefill, eager float32 agai
 torchnative.accelerate with `ort` in float32, `quantize="int8"` (MatMulInteger on dynamically
 quantized activations) and `quantize="int4"` (MatMulNBits, blocks of 32), and candle's q4k.
 
-    python benchmarks/quantized_decode.py [--steps 32] [--prompt 16] [--runs 3] [--bert-seq 128]
+    python benchmarks/quantized_decode.py [--steps 32] [--prompt 16] [--runs 3] [--bert-seq 128] [--only decode|step|prefill]
 
 Random weights (torch.manual_seed(0)), nothing downloaded. Accuracy per scheme: one decode step's
 logits against eager float32 and against the eager model with the weights the scheme dequantizes
 to (passes.quantize.dequantized: what every delegate without low-bit kernels computes), max and
-mean absolute error, and greedy tokens shared with each over the decode. Engines interleaved with
+mean absolute error, and greedy tokens shared with each over the decode. One decode step at position
+128 is also timed against ONNX Runtime standalone (the step exported whole) in float32, int8
+(its quantize_dynamic, per channel) and int4 (its MatMulNBitsQuantizer, blocks of 32, symmetric,
+accuracy_level 4). Engines interleaved with
 idle gaps (common.interleave). Prints tables; writes benchmarks/results/quantized_decode.json.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import tempfile
 import statistics
 import sys
 import warnings
@@ -102,6 +107,90 @@ def decode(a) -> list[dict]:
     return list(rows.values())
 
 
+def _bench_models():
+    spec = importlib.util.spec_from_file_location("bench_models", Path(__file__).parent / "models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gemm_as_matmul(proto):
+    """Gemm(A, B, C) of a weight B → MatMul(A, B) + C: ONNX Runtime's 4-bit quantizer takes MatMul
+    alone, and the export writes GPT-2's Conv1D layers as Gemm."""
+    from onnx import helper, numpy_helper
+
+    weights = {i.name: i for i in proto.graph.initializer}
+    nodes = []
+    for n in proto.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if n.op_type != "Gemm" or n.input[1] not in weights or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 \
+                or attrs.get("beta", 1.0) != 1.0:
+            nodes.append(n)
+            continue
+        if attrs.get("transB", 0):
+            w = weights[n.input[1]]
+            w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w).T.copy(), w.name))
+        product = n.output[0] + "_product"
+        nodes.append(helper.make_node("MatMul", n.input[:2], [product if len(n.input) > 2 else n.output[0]]))
+        if len(n.input) > 2:
+            nodes.append(helper.make_node("Add", [product, n.input[2]], [n.output[0]]))
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    return proto
+
+
+def _ort_int4(proto):
+    """ONNX Runtime's own 4-bit quantizer, as our int4: blocks of 32, symmetric, int8 compute."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(_gemm_as_matmul(proto), bits=4, block_size=32, is_symmetric=True, accuracy_level=4)
+    q.process()
+    return q.model.model
+
+
+def _ort_int8(proto):
+    """ONNX Runtime's dynamic quantization, as our int8: per-channel int8 weights, MatMulInteger."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d) / "fp32.onnx", Path(d) / "int8.onnx"
+        onnx.save(proto, src)
+        quantize_dynamic(src, dst, per_channel=True, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        return onnx.load(dst)
+
+
+def step(a) -> list[dict]:
+    """One decode step at position 128 over a 128-token past, the workload of benchmarks/models.py,
+    against ONNX Runtime standalone on the whole step exported, in float32 and quantized by its own
+    tools with the same schemes."""
+    bench = _bench_models()
+    factory, run, standalone = bench._workload("gpt2-decode")
+    ids = models.example_inputs("gpt2", factory(), seq=128)["input_ids"]
+    engines = {"eager fp32": lambda m=factory(): run(m)}
+    for name, delegate, scheme in ENGINES[:3]:
+        m = torchnative.accelerate(factory(), delegates=[delegate], quantize=scheme)
+        engines[name] = lambda m=m: run(m)
+    for name, transform in (("ort standalone fp32", None), ("ort standalone int8", _ort_int8),
+                            ("ort standalone int4", _ort_int4)):
+        engines[name] = bench._ort_decode_standalone(factory(), ids, transform)
+    with torch.no_grad():
+        for fn in engines.values():
+            for _ in range(3):  # accelerate: recorded, compiled, replayed
+                fn()
+        times = interleave(engines, a.runs, inner=5, min_s=2.0)
+    rows = [{"engine": k, "step_ms": t * 1e3, "x_eager": times["eager fp32"] / t} for k, t in times.items()]
+    for r in rows:
+        scheme = r["engine"].split()[-1]
+        if r["engine"].startswith("accel") and scheme != "fp32":
+            r["x_standalone_same_scheme"] = times[f"ort standalone {scheme}"] / times[r["engine"]]
+    print("GPT-2 small, one decode step at position 128 over a 128-token past (benchmarks/models.py's gpt2-decode); "
+          f"medians of {a.runs} interleaved rounds")
+    print(table(rows, [("engine", "{}"), ("step_ms", "{:.2f}"), ("x_eager", "{:.2f}x"),
+                       ("x_standalone_same_scheme", "{:.2f}x")]))
+    return rows
+
+
 def prefill(a) -> list[dict]:
     model = models.build("bert", "base")
     inputs = models.example_inputs("bert", model, seq=a.bert_seq)
@@ -133,13 +222,12 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--bert-seq", type=int, default=128)
-    p.add_argument("--only", choices=["decode", "prefill"])
+    p.add_argument("--only", choices=["decode", "step", "prefill"])
     a = p.parse_args()
     payload = {"torch": torch.__version__, "steps": a.steps, "prompt": a.prompt, "cache": CACHE}
-    if a.only != "prefill":
-        payload["decode"] = decode(a)
-    if a.only != "decode":
-        payload["prefill"] = prefill(a)
+    for part, fn in (("decode", decode), ("step", step), ("prefill", prefill)):
+        if a.only in (None, part):
+            payload[part] = fn(a)
     print(f"wrote {write('quantized_decode', payload)}")
 
 
