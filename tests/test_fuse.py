@@ -267,8 +267,8 @@ def test_onnx_runtime_runs_quantized_weights_on_its_low_bit_kernels(monkeypatch,
     tables = {model.transformer.wte.weight.data_ptr(), model.transformer.wpe.weight.data_ptr()}
     assert sum(t.dtype == torch.int8 for t in weights) == 9
     assert {t.data_ptr() for t in weights if t.dtype == torch.float32 and t.dim() == 2} <= tables
-    # int8 quantizes the activations too (per tensor), int4 computes in int8 blocks: the stated
-    # error against the dequantized weights' result, measured on GPT-2 small's logits in
-    # benchmarks/quantized_decode.py, is ~1 % of the largest logit
-    error = (got - want).abs()
-    assert error.max() < 0.05 * want.abs().max() and error.mean() < 0.01 * want.abs().max()
+    # int8 quantizes the activations too (per tensor): the stated error against the dequantized
+    # weights' result, measured on GPT-2 small's logits in benchmarks/quantized_decode.py, is ~1 %
+    # of the largest logit; int4's MatMulNBits computes in float32 with the weights it unpacks
+    bound = 0.05 if scheme == "int8" else 1e-5
+    assert error.max() < bound * want.abs().max() and error.mean() < bound / 5 * want.abs().max()

@@ -62,10 +62,10 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COM
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses
             where a matmul reads it. On `ort`, matmuls of such weights run ONNX Runtime's
             low-bit kernels: int8 as MatMulInteger, which quantizes the activations too (per
-            tensor, dynamically), int4 as MatMulNBits computing in int8 blocks; their results
-            are within ~1 % of the largest output of the dequantized weights' (GPT-2 small's
-            logits, benchmarks/quantized_decode.py). Other delegates compute with the
-            dequantized values.
+            tensor, dynamically: within ~1 % of the largest output of the dequantized weights'
+            result on GPT-2 small's logits, benchmarks/quantized_decode.py), int4 as MatMulNBits
+            (blocks of 32, computing in float32: the dequantized weights' result to ~1e-6).
+            Other delegates compute with the dequantized values.
             Graphs that autograd records (grad mode on, an input requiring grad) stay float32,
             with a warning: their backward would run on the float weights autograd saved.
         background: compile a graph's program on a background thread while the graph goes on

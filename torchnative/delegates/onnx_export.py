@@ -108,10 +108,9 @@ def _translations() -> dict:
         return op.RotaryEmbedding(x, half(cos), half(sin))
 
     def quantized_mm(x, q, scale, bias=None, bits: int = 4):
-        # ONNX Runtime's low-bit kernels on q as it is; pack_low_bit gives them q in their layouts.
-        # int4: blockwise MatMulNBits computing in int8 (accuracy_level 4: GPT-2's decode matmuls
-        # 4-5x faster than float32 MatMul here; level 1, float compute, 1.5x). int8: per-channel
-        # MatMulInteger on dynamically quantized activations (2.5x)
+        # ONNX Runtime's low-bit kernels on q as it is; ort lays q out for them (low_bit_layouts).
+        # int4: blockwise MatMulNBits (see INT4_ACCURACY_LEVEL). int8: per-channel MatMulInteger
+        # on dynamically quantized activations (GPT-2's decode matmuls 2.5x faster than float32's)
         n, groups, group = q.shape
         if bits == 4:
             y = matmul_nbits(x, q, scale, K=groups * group, N=n, bits=4, block_size=group,
@@ -219,7 +218,12 @@ def _translations() -> dict:
             **{sdpa: attention for sdpa in SDPA}}
 
 
-INT4_ACCURACY_LEVEL = 4
+# MatMulNBits computing in float32 (level 1: the dequantized weights' result to 1e-6; GPT-2's
+# decode matmuls 1.1-2x faster than float32 MatMul here). Level 4 (activations quantized to int8
+# per block) ran them 4-5x faster, each within 0.5 % of the dequantized result, but GPT-2 small's
+# logits after a prefill of one particular prompt came out 1.37 off (of 3.1; level 1 exact, int8's
+# MatMulInteger 0.04): a wrong result of its int8 path that depends on the values, not taken
+INT4_ACCURACY_LEVEL = 1
 
 
 def _matmul_nbits_schema():
