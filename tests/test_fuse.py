@@ -270,5 +270,23 @@ def test_onnx_runtime_runs_quantized_weights_on_its_low_bit_kernels(monkeypatch,
     # int8 quantizes the activations too (per tensor): the stated error against the dequantized
     # weights' result, measured on GPT-2 small's logits in benchmarks/quantized_decode.py, is ~1 %
     # of the largest logit; int4's MatMulNBits computes in float32 with the weights it unpacks
+    error = (got - want).abs()
     bound = 0.05 if scheme == "int8" else 1e-5
     assert error.max() < bound * want.abs().max() and error.mean() < bound / 5 * want.abs().max()
+
+
+def test_generate_with_int4_weights_on_onnx_runtime_gives_the_dequantized_models_tokens():
+    """As a user calls it: generate() with a static cache, three times (the later calls run the
+    compiled decode step, its matmuls on MatMulNBits); int4's kernel computes in float32, so the
+    greedy tokens are those of eager with the dequantized weights."""
+    model = models.build("gpt2")
+    ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
+    reference = _dequantized_copy(model, "int4")
+    kwargs = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        want = reference.generate(ids, **kwargs)
+        accelerated = torchnative.accelerate(model, delegates=["ort"], quantize="int4")
+        torchnative.reset_stats()
+        for _ in range(3):
+            assert torch.equal(accelerated.generate(ids, **kwargs), want)
+    assert torchnative.stats()["fused"].get("quantized_mm", 0) > 0 and not torchnative.stats()["fallbacks"]
