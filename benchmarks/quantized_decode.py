@@ -17,7 +17,6 @@ idle gaps (common.interleave). Prints tables; writes benchmarks/results/quantize
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import tempfile
@@ -30,7 +29,7 @@ import torch
 
 import torchnative
 from torchnative import models
-from torchnative.passes.quantize import dequantized
+from torchnative.passes.quantize import dequantized_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from candle_decode import Decoder  # noqa: E402
@@ -41,20 +40,6 @@ CACHE = 128
 # (row name, delegate, quantize)
 ENGINES = [("accel[ort] fp32", "ort", None), ("accel[ort] int8", "ort", "int8"), ("accel[ort] int4", "ort", "int4"),
            ("accel[candle-q4k]", "candle-q4k", None)]
-
-
-def reference(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
-    """The model with each weight a matmul reads replaced by its dequantized values: a Linear's
-    (out, in), a transformers Conv1D's (in, out), and an embedding tied to the LM head."""
-    from transformers.pytorch_utils import Conv1D
-
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for m in ref.modules():
-            if isinstance(m, (torch.nn.Linear, Conv1D)):
-                # a Parameter of its own: the LM head's, tied to the embedding, is dequantized alone
-                m.weight = torch.nn.Parameter(dequantized(m.weight, scheme, in_out=isinstance(m, Conv1D)))
-    return ref
 
 
 def _logits(model, prompt: torch.Tensor) -> torch.Tensor:
@@ -94,7 +79,7 @@ def decode(a) -> list[dict]:
         r["max_err_fp32"], r["mean_err_fp32"] = (got - exact).abs().max().item(), (got - exact).abs().mean().item()
         kind = scheme or ("q4k" if "q4k" in k else None)
         if kind:
-            ref = reference(model, kind)
+            ref = dequantized_copy(model, kind)
             want = _logits(ref, prompt)
             r["max_err_deq"], r["mean_err_deq"] = (got - want).abs().max().item(), (got - want).abs().mean().item()
             r["same_tokens_deq"] = _same(tokens[k], Decoder(ref, prompt, a.steps, CACHE)())

@@ -1,8 +1,6 @@
 """Fusion into named composites (passes.fuse): the patterns transformers' RMSNorm, rotary
 embedding and tanh GELU record are found, each composite computes exactly what its pattern did,
 a pattern is left alone when fusing it would be wrong, and ONNX Runtime maps them to its kernels."""
-import copy
-
 import onnx
 import pytest
 import torch
@@ -13,6 +11,7 @@ from torchnative.delegates import REGISTRY
 from torchnative.delegates import ort as ort_delegate
 from torchnative.delegates.eager import Eager
 from torchnative.passes.fuse import COMPOSITES
+from torchnative.passes.quantize import dequantized_copy
 
 
 class FusingEager(Eager):
@@ -204,22 +203,6 @@ def _gpt2_with_biases():
     return model, models.example_inputs("gpt2", model)
 
 
-def _dequantized_copy(model, scheme):
-    """The model with the weights its matmuls read dequantized as passes.quantize makes them: a
-    Linear's (out, in), a Conv1D's (in, out); the embedding GPT-2's LM head is tied to stays float."""
-    from transformers.pytorch_utils import Conv1D
-
-    from torchnative.passes.quantize import dequantized
-
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for m in ref.modules():
-            if isinstance(m, (torch.nn.Linear, Conv1D)):
-                # a Parameter of its own: the LM head's, tied to the embedding, is dequantized alone
-                m.weight = torch.nn.Parameter(dequantized(m.weight, scheme, in_out=isinstance(m, Conv1D)))
-    return ref
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_matmuls_compute_exactly_what_their_patterns_did(fusing, scheme):
     model, inputs = _gpt2_with_biases()
@@ -233,7 +216,7 @@ def test_quantized_matmuls_compute_exactly_what_their_patterns_did(fusing, schem
             unfused = model(**inputs).logits + 0
         assert torch.equal(got, unfused)
         # and that is the model with its weights dequantized, to float32 rounding of the matmuls' layouts
-        torch.testing.assert_close(got, _dequantized_copy(model, scheme)(**inputs).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got, dequantized_copy(model, scheme)(**inputs).logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("scheme, kernel", [("int8", "MatMulInteger"), ("int4", "MatMulNBits")])
@@ -248,7 +231,7 @@ def test_onnx_runtime_runs_quantized_weights_on_its_low_bit_kernels(monkeypatch,
 
     monkeypatch.setattr(ort_delegate.delegate, "compile", spy)
     model, inputs = _gpt2_with_biases()
-    reference = _dequantized_copy(model, scheme)
+    reference = dequantized_copy(model, scheme)
     accelerated = torchnative.accelerate(model, delegates=["ort"], quantize=scheme)
     torchnative.reset_stats()
     with torch.no_grad():
@@ -281,7 +264,7 @@ def test_generate_with_int4_weights_on_onnx_runtime_gives_the_dequantized_models
     greedy tokens are those of eager with the dequantized weights."""
     model = models.build("gpt2")
     ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
-    reference = _dequantized_copy(model, "int4")
+    reference = dequantized_copy(model, "int4")
     kwargs = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
     with torch.no_grad():
         want = reference.generate(ids, **kwargs)

@@ -71,6 +71,23 @@ def dequantized(w: torch.Tensor, scheme: str, in_out: bool = False) -> torch.Ten
     return (q.to(torch.float32) * scale).reshape(w.shape).to(w.dtype)
 
 
+def dequantized_copy(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """A copy of `model` whose linear layers' weights are the values the quantized graphs compute
+    with (eager's reference for `quantize=scheme`): nn.Linear's (out, in), transformers' Conv1D's
+    (in, out), each a Parameter of its own, so an embedding tied to the LM head stays float as in
+    the graphs (only matmuls read dequantized values)."""
+    import copy
+
+    from transformers.pytorch_utils import Conv1D
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, (torch.nn.Linear, Conv1D)):
+                m.weight = torch.nn.Parameter(dequantized(m.weight, scheme, in_out=isinstance(m, Conv1D)))
+    return ref
+
+
 def kquantized(w: torch.Tensor, scheme: str) -> tuple[Any, torch.Tensor]:
     """(candle QTensor, its dequantized values) of an (out, in) float matrix, blocks along `in`.
     candle's bindings move tensors through files (their element-wise conversions take seconds)."""
