@@ -6,12 +6,14 @@ import pytest
 import torch
 
 import torchnative
+from torchnative import events
 from torchnative import models
 from torchnative.delegates import REGISTRY
 from torchnative.delegates import ort as ort_delegate
 from torchnative.delegates.eager import Eager
 from torchnative.passes.fuse import COMPOSITES
 from torchnative.passes.quantize import dequantized_copy
+from tests.conftest import record
 
 
 class FusingEager(Eager):
@@ -212,9 +214,13 @@ def test_quantized_matmuls_compute_exactly_what_their_patterns_did(fusing, schem
             got = model(**inputs).logits + 0
         # 4 Conv1D per layer (addmm, their bias in it) and the tied LM head (mm)
         assert torchnative.stats()["fused"] == {"quantized_addmm": 8, "quantized_mm": 1, "gelu_tanh": 2}
-        with torchnative.capture(["eager"], compile_after=1, quantize=scheme):
+        with record(events.ProgramBuilt) as built, torchnative.capture(["eager"], compile_after=1, quantize=scheme):
             unfused = model(**inputs).logits + 0
         assert torch.equal(got, unfused)
+        # a program on eager alone reads the dequantized values computed once, not q and scale
+        placeholders = [n for e in built for n in e.program.graph.gm.graph.nodes if n.op == "placeholder"]
+        assert not any(n.meta["val"].dtype == torch.int8 for n in placeholders)
+        assert any(n.name.endswith("_dequantized") for n in placeholders)
         # and that is the model with its weights dequantized, to float32 rounding of the matmuls' layouts
         torch.testing.assert_close(got, dequantized_copy(model, scheme)(**inputs).logits, rtol=0, atol=1e-5)
 

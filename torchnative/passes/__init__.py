@@ -19,7 +19,8 @@ from torchnative.passes.quantize import quantize_weights
 from torchnative.passes.state import slice_updates
 
 
-def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | None = None) -> tuple[CapturedGraph, Derived]:
+def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | None = None,
+            eager_only: bool = False) -> tuple[CapturedGraph, Derived]:
     """Pinned roles, CSE/DCE, constant folding (zero biases dropped), weight quantization, a
     state's slice writes in place (passes.state); values marked for fusion (which runs per
     partition, before a delegate compiles it). The Derived tensors are appended to the
@@ -28,5 +29,5 @@ def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | No
     graph = mark_halves(cse(hoist_placeholders(apply_pins(graph.copy(), inputs))))
     graph = drop_zero_biases(fold_constants(graph, inputs, derived), inputs, derived)
     if quantize is not None:
-        graph = quantize_weights(graph, inputs, quantize, derived)
+        graph = quantize_weights(graph, inputs, quantize, derived, once=eager_only)
     return slice_updates(graph), derived

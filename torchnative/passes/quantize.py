@@ -189,7 +189,29 @@ def _kcached(w: torch.Tensor, operand: torch.Tensor, scheme: str) -> tuple[Any, 
     return hit[1], hit[2]
 
 
-def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: str, derived: Derived) -> CapturedGraph:
+def _cached_values(w: torch.Tensor, scheme: str, in_out: bool, shape: list[int]) -> torch.Tensor:
+    """The dequantized values, as the graph's ops compute them from q and scale, kept per weight version."""
+    key = (id(w), w._version, scheme, in_out, "values")
+    hit = _cache.get(key)
+    if hit is None or hit[0]() is not w:
+        q, scale = _cached(w, scheme, in_out)
+        _forget_dead()
+        hit = _cache[key] = (weakref.ref(w), (q.to(torch.float32) * scale).view(shape))
+    return hit[1]
+
+
+def _forget_dead() -> None:
+    """Drop what the cache holds for weights no longer alive (float values are a weight's size)."""
+    for k in [k for k, hit in _cache.items() if hit[0]() is None]:
+        del _cache[k]
+
+
+def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: str, derived: Derived,
+                     once: bool = False) -> CapturedGraph:
+    """`once`: the program runs on eager alone (a graph not compiled yet, or whose sizes vary): the
+    dequantized values are computed once per weight version and read as constants, not computed
+    from q and scale at every call (GPT-2 small's decode steps over a growing cache ran 2x slower
+    than eager's). Delegates with low-bit kernels get q and scale."""
     if scheme in KQUANTS:
         return _kquantize_weights(graph, inputs, scheme, derived)
     if scheme not in SCHEMES:
@@ -203,13 +225,24 @@ def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: s
         if reason:
             continue
         in_out = _read_as_in_out(p)
+        derived.sources.add(i)
+        shape = list(w.shape[::-1]) if in_out else list(w.shape)
+        if once:
+            deq = add_constant(graph, p, f"{p.name}_dequantized")
+            value = _cached_values(w, scheme, in_out, shape)
+            deq.meta["val"] = value.to("meta")
+            derived.tensors.append(value)
+            if in_out:
+                with g.inserting_before(deq.next):
+                    deq = g.call_function(aten.permute.default, (deq, [1, 0]))
+                deq.meta["val"] = value.to("meta").t()
+            p.replace_all_uses_with(deq, delete_user_cb=_on_path_to_matmul)
+            continue
         q, scale = _cached(w, scheme, in_out)
         qp, sp = add_constant(graph, p, f"{p.name}_q"), add_constant(graph, p, f"{p.name}_scale")
         qp.meta["val"], sp.meta["val"] = q.to("meta"), scale.to("meta")
         qp.meta["quantized"] = scheme
         derived.tensors += [q, scale]
-        derived.sources.add(i)
-        shape = list(w.shape[::-1]) if in_out else list(w.shape)
         with g.inserting_before(sp.next):  # in this order, after the placeholders
             f = g.call_function(aten._to_copy.default, (qp,), {"dtype": torch.float32})
             m = g.call_function(aten.mul.Tensor, (f, sp))

@@ -27,7 +27,7 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
     delegate's artifact, to be saved in a bundle; `calibration_sets`: more sets of inputs, for
     delegates that calibrate on values."""
     started = time.perf_counter()
-    graph, derived = prepare(captured, inputs, quantize)
+    graph, derived = prepare(captured, inputs, quantize, eager_only=all(d is eager for d in delegates))
     inputs = inputs + derived.tensors
     for p, role in zip(graph.placeholders(), graph.input_roles):
         p.meta["role"] = role  # delegates' supports() may depend on it (a weight is quantized differently)
