@@ -39,12 +39,12 @@ _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.de
 _cache: dict = {}  # (id, version, scheme[, operand layout]) -> (weakref to the weight, quantized values)
 
 
-def _feeds_matmul(n: fx.Node) -> bool:
-    return any(u.target in _MATMULS or (u.target in _VIEWS and _feeds_matmul(u)) for u in n.users)
-
-
 def _on_path_to_matmul(u: fx.Node) -> bool:
     return u.target in _MATMULS or (u.target in _VIEWS and _feeds_matmul(u))
+
+
+def _feeds_matmul(n: fx.Node) -> bool:
+    return any(_on_path_to_matmul(u) for u in n.users)
 
 
 def _grouped(w: torch.Tensor, group: int | None) -> torch.Tensor:
