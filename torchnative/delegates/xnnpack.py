@@ -97,7 +97,9 @@ class Xnnpack:
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.exir import to_edge_transform_and_lower
 
-        exported = graph.to_exported_program()
+        # dense: the runner passes contiguous inputs; a .pte exported for permuted ones (a RoPE
+        # partition's q and k) takes them in that dim order, and XNNPACK refuses the contiguous ones
+        exported = graph.to_exported_program(dense=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
