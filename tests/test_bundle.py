@@ -32,7 +32,8 @@ def _eager(arch: str):
 
 
 def _compile(arch: str, out: Path, *extra: str) -> None:
-    assert cli.main(["capture-and-compile", f"transformers:{arch}", "--out", str(out), *extra]) == 0
+    """A bundle of one call (a causal LM's bundle generates by default: tests/test_bundle_generate.py)."""
+    assert cli.main(["capture-and-compile", f"transformers:{arch}", "--no-generate", "--out", str(out), *extra]) == 0
 
 
 def _fresh_run(bundle: Path, inputs: dict, tmp: Path) -> dict:
@@ -61,8 +62,10 @@ def test_capture_and_compile_then_run_in_a_fresh_process(arch, tmp_path):
     _, inputs, expected = _eager(arch)
     _close(_fresh_run(bundle, inputs, tmp_path), expected)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert [i["name"] for i in manifest["inputs"]] == list(inputs)
-    assert {p["delegate"] for g in manifest["programs"] for p in g["partitions"]} == {"ort"}
+    forward = manifest["methods"]["forward"]
+    assert [i["name"] for i in forward["inputs"]] == list(inputs)
+    assert {p["delegate"] for g in forward["programs"] for p in g["partitions"]} == {"ort"}
+    assert manifest["state"] == [] and "generate" not in manifest
 
 
 def test_mixed_delegates_with_eager_partitions_as_exported_programs(tmp_path):
@@ -72,7 +75,7 @@ def test_mixed_delegates_with_eager_partitions_as_exported_programs(tmp_path):
     _compile("BertModel", bundle, "--targets", "xnnpack")
     _, inputs, expected = _eager("BertModel")
     loaded = torchnative.load(bundle)
-    kinds = {p["delegate"] for g in loaded.manifest["programs"] for p in g["partitions"]}
+    kinds = {p["delegate"] for g in loaded.manifest["methods"]["forward"]["programs"] for p in g["partitions"]}
     assert kinds == {"xnnpack", "eager"}
     _close(loaded(**inputs), expected)
     _close(_fresh_run(bundle, inputs, tmp_path), expected)
@@ -203,10 +206,10 @@ def _weights(b: Path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (_truncate, r"partitions/g\d_p\d_ort.onnx .* has \d+ bytes, the manifest says \d+: the file is truncated"),
-    (_tamper, r"partitions/g\d_p\d_ort.onnx .* does not match its hash in the manifest"),
+    (_truncate, r"partitions/forward_g\d_p\d_ort.onnx .* has \d+ bytes, the manifest says \d+: the file is truncated"),
+    (_tamper, r"partitions/forward_g\d_p\d_ort.onnx .* does not match its hash in the manifest"),
     (_weights, r"weights.safetensors .* does not match its hash"),
-    (lambda b: _schema(b, 99), r"bundle schema 99, newer than this torchnative reads \(1\); upgrade torchnative"),
+    (lambda b: _schema(b, 99), r"bundle schema 99, newer than this torchnative reads \(2\); upgrade torchnative"),
     (lambda b: _schema(b, None), r"has no schema version: not a torchnative bundle"),
     (lambda b: (b / "manifest.json").unlink(), r"has no manifest.json: the bundle is incomplete"),
     (lambda b: (b / "manifest.json").write_text("{not json"), r"manifest.json is not valid JSON"),

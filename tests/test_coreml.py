@@ -127,7 +127,7 @@ def test_a_bundle_ships_the_packages_and_runs_here_on_their_eager_fallback(cache
     _, inputs, expected = _eager("GPT2LMHeadModel")
     _close(_fresh_run(bundle, inputs, tmp_path), expected)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    parts = [p for g in manifest["programs"] for p in g["partitions"] if p["delegate"] == "coreml"]
+    parts = [p for g in manifest["methods"]["forward"]["programs"] for p in g["partitions"] if p["delegate"] == "coreml"]
     assert parts and all(p["artifact"].endswith(".mlpackage.zip") and "fallback" in p for p in parts)
     for p in parts:
         assert coreml.describe((bundle / p["artifact"]).read_bytes())["ops"]

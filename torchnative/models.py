@@ -21,6 +21,12 @@ PRESETS: dict[str, dict[str, dict]] = {
     "llama": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256),
               "base": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                            intermediate_size=1408, vocab_size=32000)},
+    "qwen3": {"tiny": dict(**_TINY, num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=256),
+              "base": {}},
+    # sliding_window None as Mistral 7B from v0.2: a sliding-window cache counts positions in Python
+    "mistral": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
+                             sliding_window=None),
+                "base": {}},
     "bert": {"tiny": dict(**_TINY, vocab_size=1000), "base": {}},
     "vit": {"tiny": dict(**_TINY, image_size=32, patch_size=8), "base": {}},
     "resnet": {"tiny": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"), "base": {}},

@@ -1,11 +1,15 @@
-"""One call of a model, captured and compiled for a bundle: the call is recorded on eager (fast,
-no compile), described as a replay trace (runtime/trace.py: programs in order, where each input
-comes from, the scalars Python read), then each program is built again for the target delegates
-with its artifacts kept."""
+"""A model's calls, captured and compiled for a bundle: each call (a *method*: `forward`, or a
+causal LM's `prefill` and `decode`) is recorded on eager (fast, no compile), described as a replay
+trace (runtime/trace.py: programs in order, where each input comes from, the scalars Python
+read), then each program is built again for the target delegates with its artifacts kept.
+
+A causal LM's methods run over a static KV cache, the bundle's *state*: the tensors the cache
+object holds, named by where they are in it, written by the methods' graphs and shared by them."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -14,6 +18,7 @@ from torch.utils import _pytree as pytree
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
+from torchnative.runtime.guard import SCALARS, object_state
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.trace import Ineligible, Trace
 from torchnative.runtime.tracer import Tracer
@@ -21,12 +26,19 @@ from torchnative.runtime.session import real_outputs, session
 
 
 @dataclass
-class Compiled:
+class Method:
     trace: Trace                       # its programs built for the targets, artifacts kept
     inputs: dict[str, torch.Tensor]    # the example inputs, by argument name
     output_names: list[str]            # one per flattened output leaf
-    weight_names: dict[int, str]       # id(parameter or buffer) -> its name in the model
     reference: list                    # eager's flattened outputs on the example inputs
+
+
+@dataclass
+class Compiled:
+    methods: dict[str, Method]         # "forward", or a causal LM's "prefill" and "decode"
+    weight_names: dict[int, str]       # id(parameter or buffer) -> its name in the model
+    states: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # id -> (name, tensor)
+    generation: dict | None = None     # how `Bundle.generate` drives the methods (see `compile_generation`)
 
 
 def leaf_name(path: tuple) -> str:
@@ -38,14 +50,23 @@ def leaf_name(path: tuple) -> str:
     return ".".join(parts) or "output"
 
 
-def capture_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Trace, list, list]:
-    """The trace of `model(**inputs)` recorded on eager, the programs' run inputs, and the output."""
+def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
+                 states: frozenset[int] = frozenset()) -> tuple[Trace, list, list]:
+    """The trace of `model(**inputs)` recorded on eager, the programs' run inputs, and the output.
+    `states`: ids of the tensors the call may write (a static KV cache's)."""
     buffers = frozenset(id(b) for b in model.buffers())
     leaves = list(inputs.values())
+    objects = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
+    before = {k: object_state(v) for k, v in objects.items()}
     tracer = Tracer()
     with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1):
         out = model(**inputs)
     out = real_outputs(out)
+    changed = [f"{k} ({type(v).__name__})" for k, v in objects.items() if object_state(v) != before[k]]
+    if changed:  # a Python counter (a sliding-window cache's length) that the next call reads: a bundle has no Python
+        raise BundleError(f"the call of {type(model).__name__} changes Python state of {', '.join(changed)} that later "
+                          f"calls read (a counter, not a tensor); a bundle carries only tensors as state. A sliding-"
+                          f"window cache keeps such a counter: capture a model without a sliding window")
     is_weight = lambda x: isinstance(x, torch.nn.Parameter) or id(x) in buffers  # noqa: E731
     try:
         with torch.no_grad():
@@ -54,9 +75,10 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tup
         raise BundleError(f"this call of {type(model).__name__} cannot be saved as a bundle: {e}. A bundle "
                           f"runs without the model's Python, so everything the call computes must pass "
                           f"through captured graphs") from e
-    if any(step.writes for step in trace.steps):
+    if any(w[0] != "const" or id(w[1]) not in states for step in trace.steps for w in step.writes):
         raise BundleError(f"{type(model).__name__} writes into tensors during the call (state such as a KV "
-                          f"cache or BatchNorm statistics in train mode); bundles do not carry state yet")
+                          f"cache or BatchNorm statistics in train mode); a bundle carries only a causal LM's "
+                          f"static KV cache as state (capture-and-compile of a causal LM does so by default)")
     return trace, [run[1] for run in tracer.runs], out
 
 
@@ -76,12 +98,17 @@ def prepare_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> li
         return pytree.tree_leaves(model(**inputs))
 
 
-def compiled(model: torch.nn.Module, inputs: dict[str, torch.Tensor], trace: Trace, out: Any, reference: list) -> Compiled:
+def method(inputs: dict[str, Any], trace: Trace, out: Any, reference: list) -> Method:
+    paths, _ = pytree.tree_flatten_with_path(out)
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    return Method(trace, tensors, [leaf_name(p) for p, _ in paths], reference)
+
+
+def weight_names(model: torch.nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), n)  # a tied weight is saved once, under its first name
-    paths, _ = pytree.tree_flatten_with_path(out)
-    return Compiled(trace, dict(inputs), [leaf_name(p) for p, _ in paths], names, reference)
+    return names
 
 
 def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: Sequence[str] | None,
@@ -89,4 +116,90 @@ def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], target
     """Capture `model(**inputs)` and compile each of its graphs for `targets` (preference order)."""
     reference = prepare_model(model, inputs)
     trace, run_inputs, out = capture_call(model, inputs)
-    return compiled(model, inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
+    forward = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
+    return Compiled({"forward": forward}, weight_names(model))
+
+
+def is_causal_lm(model: torch.nn.Module) -> bool:
+    """A transformers model that generates token by token from its own outputs (not an encoder-decoder)."""
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    return config is not None and callable(can) and can() and not getattr(config, "is_encoder_decoder", False)
+
+
+class _CacheStep(torch.nn.Module):
+    """One call of a causal LM over a static cache: the logits of `input_ids` at `cache_position`."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, cache: Any) -> dict[str, torch.Tensor]:
+        # transformers 5 names the argument `cache` (`past_key_values` is deprecated), 4 `past_key_values`
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True, **{name: cache})
+        return {"logits": out.logits}
+
+
+def state_tensors(obj: Any, path: str = "cache") -> dict[str, torch.Tensor]:
+    """The tensors an object holds (its attributes, lists and dicts, recursively), by path:
+    "cache.layers.0.keys"."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(x: Any, at: str) -> None:
+        if isinstance(x, torch.Tensor):
+            if id(x) not in seen:
+                found[at] = x
+            seen.add(id(x))
+            return
+        if id(x) in seen or isinstance(x, (type, torch.nn.Module, str, bytes, int, float, bool, torch.device, torch.dtype)):
+            return
+        seen.add(id(x))
+        items = enumerate(x) if isinstance(x, (list, tuple)) else x.items() if isinstance(x, dict) else \
+            vars(x).items() if hasattr(x, "__dict__") else ()
+        for k, v in items:
+            walk(v, f"{at}.{k}")
+
+    walk(obj, path)
+    return found
+
+
+def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, quantize: str | None = None,
+                       cache_len: int = 128, prefill_len: int = 16, seed: int = 1) -> Compiled:
+    """A causal LM as two methods over one static KV cache, the bundle's state: `prefill`
+    (`prefill_len` tokens at once) and `decode` (one token), each taking `input_ids` and their
+    `cache_position`s and returning the logits. `Bundle.generate` prefills a prompt in chunks of
+    `prefill_len`, decodes the rest of it token by token, then decodes greedily."""
+    from transformers import StaticCache
+
+    if not is_causal_lm(model):
+        raise BundleError(f"{type(model).__name__} is not a causal LM (a transformers model that generates, not "
+                          f"an encoder-decoder): capture one call of it instead (--no-generate)")
+    if not 0 < prefill_len < cache_len:
+        raise BundleError(f"the prefill length ({prefill_len}) must be at least 1 and less than the cache length ({cache_len})")
+    model.eval()
+    name_tensors(model)
+    step = _CacheStep(model)
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    ids = torch.randint(0, model.config.vocab_size, (1, prefill_len), generator=torch.Generator().manual_seed(seed))
+    calls = {"prefill": {"input_ids": ids, "cache_position": torch.arange(prefill_len)},
+             "decode": {"input_ids": ids[:, :1].clone(), "cache_position": torch.tensor([prefill_len])}}
+    with torch.no_grad():
+        step(**calls["prefill"], cache=cache)  # the cache makes its tensors on the first call: not in a graph
+    cache.reset()
+    states = state_tensors(cache)
+    if any(t.any() for t in states.values()):
+        raise BundleError(f"{type(cache).__name__}.reset() leaves {[n for n, t in states.items() if t.any()][:3]} "
+                          f"non-zero; a bundle's state starts at zeros")
+    ids_of = frozenset(map(id, states.values()))
+    methods = {}
+    for name, inputs in calls.items():
+        trace, run_inputs, out = capture_call(step, {**inputs, "cache": cache}, ids_of)
+        reference = pytree.tree_leaves(out)
+        methods[name] = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
+    eos = model.generation_config.eos_token_id
+    generation = {"prefill": "prefill", "decode": "decode", "prefill_len": prefill_len, "cache_len": cache_len,
+                  "tokens": "input_ids", "positions": "cache_position", "logits": "logits",
+                  "eos": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
+    return Compiled(methods, weight_names(model), {id(t): (n, t) for n, t in states.items()}, generation)

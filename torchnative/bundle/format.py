@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-SCHEMA = 1
+SCHEMA = 2  # 2: methods and states
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -61,48 +61,30 @@ def _exported(payload: bytes) -> Callable[[list[torch.Tensor]], list[torch.Tenso
     return lambda inputs: list(module(*inputs))
 
 
-class Bundle:
-    """A loaded bundle: `bundle(input_ids=t, ...)` (or positionally, in the order of
-    `bundle.inputs`) returns a dict of output name -> tensor."""
+class Method:
+    """One method of a bundle (`forward`, or a causal LM's `prefill` and `decode`):
+    `method(input_ids=t, ...)` (or positionally, in the order of `method.inputs`) returns a dict
+    of output name -> tensor. Its graphs read and write the bundle's states in place."""
 
-    def __init__(self, path: str | Path):
-        reader = Reader(path)
-        self.path = reader.path
-        self.manifest = reader.manifest()
+    def __init__(self, bundle: "Bundle", name: str, spec: dict, reader: Reader):
+        self.bundle, self.name, self.spec = bundle, name, spec
         self.inputs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            i["name"]: (_dtype(i["dtype"]), tuple(i["shape"])) for i in self.manifest["inputs"]}
-        self.outputs = [o["name"] for o in self.manifest["outputs"]]
-        self.pinned = {p["name"]: p["reason"] for p in self.manifest["pinned"]}
-        self.weights = self._weights(reader)
-        self._runners = {(k, j): _load_partition(reader, part, self.weights)
-                         for k, g in enumerate(self.manifest["programs"]) for j, part in enumerate(g["partitions"])}
+            i["name"]: (_dtype(i["dtype"]), tuple(i["shape"])) for i in spec["inputs"]}
+        self.outputs = [o["name"] for o in spec["outputs"]]
+        self._runners = {(k, j): _load_partition(reader, part, bundle.weights)
+                         for k, g in enumerate(spec["programs"]) for j, part in enumerate(g["partitions"])}
+        for g in spec["programs"]:
+            unknown = [s for s in g["writes"] if s not in bundle.states]
+            if unknown:
+                raise BundleError(f"method {name!r} of {bundle.path} writes states {unknown} that the manifest does "
+                                  f"not declare: the bundle was tampered with; write it again")
         # partitions for a delegate that does not execute here, run by their eager fallback: (graph, #, why)
         self.fallbacks = [(k, j, why) for (k, j), (_, _, why) in self._runners.items() if why]
-
-    def _weights(self, reader: Reader) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load
-
-        spec = self.manifest["weights"]
-        weights = load(reader.checked(spec["file"], spec))
-        missing = set(spec["tensors"]) - set(weights)
-        if missing:
-            raise BundleError(f"{spec['file']} of {self.path} lacks {sorted(missing)[:5]}; write the bundle again")
-        return weights
-
-    def update(self, name: str, value: torch.Tensor) -> None:
-        """Replace a pinned weight (one updated at test time); the next call uses it."""
-        if name not in self.pinned:
-            raise BundleError(f"{name!r} is not a pinned tensor of this bundle (pinned: {sorted(self.pinned) or 'none'}); "
-                              f"only pinned tensors are inputs of its partitions, the rest are compiled in")
-        old = self.weights[name]
-        if value.dtype != old.dtype or value.shape != old.shape:
-            raise BundleError(f"{name!r} is {_describe(old.dtype, old.shape)}, got {_describe(value.dtype, value.shape)}")
-        self.weights[name] = value.detach().contiguous()
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         names = list(self.inputs)
         if len(args) > len(names):
-            raise BundleError(f"{len(args)} positional inputs given, the bundle takes {len(names)}: {names}")
+            raise BundleError(f"{len(args)} positional inputs given, {self.name} takes {len(names)}: {names}")
         given = dict(zip(names, args))
         for k, v in kwargs.items():
             if k in given:
@@ -111,7 +93,7 @@ class Bundle:
         unknown = [k for k in given if k not in self.inputs]
         missing = [k for k in names if k not in given]
         if unknown or missing:
-            raise BundleError(f"the bundle takes inputs {names}; " + "; ".join(
+            raise BundleError(f"{self.name} takes inputs {names}; " + "; ".join(
                 x for x in (f"unknown: {unknown}" if unknown else "", f"missing: {missing}" if missing else "") if x))
         for k, (dtype, shape) in self.inputs.items():
             v = given[k]
@@ -127,7 +109,9 @@ class Bundle:
         if "arg" in src:
             return given[src["arg"]]
         if "weight" in src:
-            return self.weights[src["weight"]]
+            return self.bundle.weights[src["weight"]]
+        if "state" in src:
+            return self.bundle.states[src["state"]]
         if "value" in src:
             return env[src["value"]]
         if "view" in src:
@@ -138,12 +122,13 @@ class Bundle:
         given = self._bind(args, kwargs)
         env: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for k, program in enumerate(self.manifest["programs"]):
+            for k, program in enumerate(self.spec["programs"]):
                 for i in program["inputs"]:
                     env[i["value"]] = self._source(i["from"], env, given)
                 for j, part in enumerate(program["partitions"]):
                     outs = self._run(k, j, part, [env[n] for n in self._runners[k, j][1]])
                     env.update(zip((o["value"] for o in part["outputs"]), outs))
+                self._write(program, env)
                 for check in program["checks"]:
                     got = env[check["value"]].item()
                     if type(got) is not type(check["equals"]) or got != check["equals"]:
@@ -151,23 +136,136 @@ class Bundle:
                             f"these inputs take another path through the model than the captured ones: the model "
                             f"reads the value of {check['op']} at {check['at']} to decide what to do next; it was "
                             f"{check['equals']!r} when captured and is {got!r} now. Capture again with inputs like these")
-            return {o["name"]: self._source(o["from"], env, given) for o in self.manifest["outputs"]}
+            return {o["name"]: self._source(o["from"], env, given) for o in self.spec["outputs"]}
+
+    def _write(self, program: dict, env: dict) -> None:
+        """The program's last outputs are its states' new values: into the states (a partition
+        that wrote a state in place returned the state itself)."""
+        if not program["writes"]:
+            return
+        values = program["outputs"][len(program["outputs"]) - len(program["writes"]):]
+        for name, value in zip(program["writes"], values):
+            state, new = self.bundle.states[name], env[value]
+            if new.data_ptr() != state.data_ptr() or new.stride() != state.stride():
+                state.copy_(new)
 
     def _run(self, k: int, j: int, part: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         try:
             outs = self._runners[k, j][0](inputs)
         except Exception as e:
-            raise BundleError(f"partition {j} of graph {k} ({part['delegate']}, {part['ops']} ops, "
+            raise BundleError(f"partition {j} of graph {k} of {self.name} ({part['delegate']}, {part['ops']} ops, "
                               f"{part['artifact']}) failed: {type(e).__name__}: {e}") from e
         fixed = []
         for v, o in zip(outs, part["outputs"]):
             if list(v.shape) != o["shape"] or str(v.dtype).removeprefix("torch.") != o["dtype"]:
-                raise BundleError(f"partition {j} of graph {k} ({part['delegate']}) returned {_describe(v.dtype, v.shape)} "
-                                  f"for {o['value']}, the manifest says {_describe(o['dtype'], o['shape'])}")
+                raise BundleError(f"partition {j} of graph {k} of {self.name} ({part['delegate']}) returned "
+                                  f"{_describe(v.dtype, v.shape)} for {o['value']}, the manifest says "
+                                  f"{_describe(o['dtype'], o['shape'])}")
             if list(v.stride()) != o["stride"] and v.numel() > 1 and 0 not in o["stride"]:
                 v = torch.empty_strided(v.shape, o["stride"], dtype=v.dtype).copy_(v)  # eager's layout, as in Program
             fixed.append(v)
         return fixed
+
+
+class Bundle:
+    """A loaded bundle: its methods (`bundle.methods`, each also an attribute: `bundle.decode`),
+    its weights and its states. A bundle of one call is called directly: `bundle(input_ids=t)`.
+    A causal LM's bundle generates: `bundle.generate(ids, max_new_tokens=32)`."""
+
+    def __init__(self, path: str | Path):
+        reader = Reader(path)
+        self.path = reader.path
+        self.manifest = reader.manifest()
+        self.pinned = {p["name"]: p["reason"] for p in self.manifest["pinned"]}
+        self.weights = self._weights(reader)
+        self.states: dict[str, torch.Tensor] = {
+            s["name"]: torch.zeros(s["shape"], dtype=_dtype(s["dtype"])) for s in self._state_spec()}
+        self.methods = {name: Method(self, name, spec, reader) for name, spec in self.manifest["methods"].items()}
+        if not self.methods:
+            raise BundleError(f"{self.path}/manifest.json lists no methods; write the bundle again")
+        self.fallbacks = [f for m in self.methods.values() for f in m.fallbacks]
+
+    def _state_spec(self) -> list[dict]:
+        spec = self.manifest.get("state")
+        if not isinstance(spec, list) or not all(isinstance(s, dict) and {"name", "dtype", "shape", "init"} <= set(s)
+                                                 and s["init"] == "zeros" for s in spec):
+            raise BundleError(f"the state spec in {self.path}/manifest.json is missing or malformed (each state needs "
+                              f"name, dtype, shape and init \"zeros\"); write the bundle again")
+        declared = {s["name"]: s for s in spec}
+        for m in self.manifest["methods"].values():  # the graphs were compiled for the declared shapes
+            for i in (i for g in m["programs"] for i in g["inputs"] if "state" in i["from"]):
+                s = declared.get(i["from"]["state"])
+                if s is None or (s["shape"], s["dtype"]) != (i["shape"], i["dtype"]):
+                    raise BundleError(f"a graph of {self.path} reads state {i['from']['state']!r} as "
+                                      f"{_describe(i['dtype'], i['shape'])}, which the manifest's state spec "
+                                      + ("does not declare" if s is None else f"declares {_describe(s['dtype'], s['shape'])}")
+                                      + ": the manifest was tampered with; write the bundle again")
+        return spec
+
+    def _weights(self, reader: Reader) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load
+
+        spec = self.manifest["weights"]
+        weights = load(reader.checked(spec["file"], spec))
+        missing = set(spec["tensors"]) - set(weights)
+        if missing:
+            raise BundleError(f"{spec['file']} of {self.path} lacks {sorted(missing)[:5]}; write the bundle again")
+        return weights
+
+    def __getattr__(self, name: str) -> Method:
+        methods = self.__dict__.get("methods", {})
+        if name in methods:
+            return methods[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or method {name!r} (methods: {sorted(methods)})")
+
+    @property
+    def inputs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The inputs of the bundle's one method (`forward`), or of the first."""
+        return next(iter(self.methods.values())).inputs
+
+    @property
+    def outputs(self) -> list[str]:
+        return next(iter(self.methods.values())).outputs
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> dict[str, Any]:
+        if len(self.methods) != 1:
+            raise BundleError(f"{self.path} has methods {sorted(self.methods)}: call one of them "
+                              f"(bundle.{next(iter(self.methods))}(...))" + (", or bundle.generate(ids)" if "generate" in self.manifest else ""))
+        return next(iter(self.methods.values()))(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Every state back to its initial value (zeros): a new sequence."""
+        for t in self.states.values():
+            t.zero_()
+
+    def set_state(self, name: str, value: torch.Tensor) -> None:
+        """Replace a state's value (a cache saved earlier); the next call reads it."""
+        if name not in self.states:
+            raise BundleError(f"{name!r} is not a state of this bundle (states: {sorted(self.states)[:4] or 'none'}…)")
+        old = self.states[name]
+        if not isinstance(value, torch.Tensor) or value.dtype != old.dtype or value.shape != old.shape:
+            got = _describe(value.dtype, value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise BundleError(f"state {name!r} is {_describe(old.dtype, old.shape)}, got {got}")
+        old.copy_(value)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, eos: int | Sequence[int] | None = None,
+                 on_token: Callable[[int], None] = lambda token: None) -> torch.Tensor:
+        """Greedy decoding (as `model.generate(ids, do_sample=False)`): the prompt `input_ids`
+        [1, n] followed by up to `max_new_tokens` tokens, stopping after an `eos` token (default:
+        the model's). Starts from empty states; `on_token(t)` follows each new token."""
+        from torchnative.bundle.generate import greedy
+
+        return greedy(self, input_ids, max_new_tokens, eos, on_token)
+
+    def update(self, name: str, value: torch.Tensor) -> None:
+        """Replace a pinned weight (one updated at test time); the next call uses it."""
+        if name not in self.pinned:
+            raise BundleError(f"{name!r} is not a pinned tensor of this bundle (pinned: {sorted(self.pinned) or 'none'}); "
+                              f"only pinned tensors are inputs of its partitions, the rest are compiled in")
+        old = self.weights[name]
+        if value.dtype != old.dtype or value.shape != old.shape:
+            raise BundleError(f"{name!r} is {_describe(old.dtype, old.shape)}, got {_describe(value.dtype, value.shape)}")
+        self.weights[name] = value.detach().contiguous()
 
 
 def load(path: str | Path) -> Bundle:

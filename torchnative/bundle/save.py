@@ -1,6 +1,8 @@
-"""A compiled call → the files of a bundle (DESIGN.md §7). Every graph value gets a global name
-("g<program>.<node>"); the manifest says, per program, where its inputs come from, then its
-partitions in execution order with the values each reads and writes."""
+"""Compiled methods → the files of a bundle (DESIGN.md §7). Every graph value gets a global name
+("<method>.g<program>.<node>"); the manifest says, per method and program, where its inputs come
+from (an argument, an earlier program's output, a weight, a state), then its partitions in
+execution order with the values each reads and writes, and which states its last outputs are
+the new values of. Weights are stored once, whichever methods read them."""
 from __future__ import annotations
 
 import io
@@ -12,12 +14,13 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from torchnative.bundle.build import Compiled
+from torchnative.bundle.build import Compiled, Method
 from torchnative.bundle.format import SCHEMA, WEIGHTS, BundleError, sha256, write
 from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes import pin
+from torchnative.passes.state import SLICE_UPDATE
 from torchnative.runtime import trace
 from torchnative.runtime.program import Program, Step
 from torchnative.toolchain import versions
@@ -42,6 +45,11 @@ def _exported(graph: CapturedGraph) -> bytes:
     """An eager partition as a serialized ExportedProgram taking every value it reads (weights
     included: they are stored once, in the safetensors file)."""
     plain = CapturedGraph(graph.gm, graph.input_roles, graph.output_roles)
+    if not graph.outputs():  # only writes a state in place; torch.export cannot save a program of no outputs
+        plain = graph.copy()
+        out = plain.output_node()
+        out.args = ([n for n in plain.gm.graph.nodes if n.target is SLICE_UPDATE],)
+        plain.gm.recompile()
     buffer = io.BytesIO()
     torch.export.save(plain.to_exported_program(), buffer)
     return buffer.getvalue()
@@ -54,7 +62,9 @@ class _Writer:
         self.weights: dict[str, torch.Tensor] = {}
         self.weight_ids: dict[int, str] = {}
         self.originals: dict[str, torch.Tensor] = {}  # name -> the model's tensor (pinned or not)
-        self.values: list[list[str]] = []  # per program already written: its output values' names
+        self.method = ""  # the method being written
+        self.inputs: list[str] = []  # its argument names
+        self.values: list[list[str]] = []  # per program of it already written: its output values' names
 
     def weight(self, t: torch.Tensor, fallback: str) -> str:
         name = self.weight_ids.get(id(t))
@@ -68,13 +78,15 @@ class _Writer:
     def source(self, src: tuple, k: int, i: int) -> dict:
         kind = src[0]
         if kind == "arg":
-            return {"arg": list(self.compiled.inputs)[src[1]]}
+            return {"arg": self.inputs[src[1]]}
         if kind == "out":
             return {"value": self.values[src[1]][src[2]]}
         if kind == "view":
             return {"view": self.source(src[1], k, i), "shape": list(src[2]), "stride": list(src[3]), "offset": src[4]}
+        if kind == "const" and id(src[1]) in self.compiled.states:
+            return {"state": self.compiled.states[id(src[1])][0]}
         if kind == "const":
-            return {"weight": self.weight(src[1], f"constants.g{k}.in{i}")}
+            return {"weight": self.weight(src[1], f"constants.{self.method}.g{k}.in{i}")}
         if kind == "py":
             return {"py": src[1]}
         raise BundleError(f"an input of graph {k} comes from {kind!r}, which a bundle cannot hold")
@@ -91,7 +103,7 @@ class _Writer:
         else:
             payload, meta = built.payload, built.meta
             inputs = [n for n, r in zip(step.reads, step.graph.input_roles) if not is_weight(r)]
-            constants = {local: self.weight(t, f"constants.g{k}.p{j}.{local}") for local, t in built.constants.items()}
+            constants = {local: self.weight(t, f"constants.{self.method}.g{k}.p{j}.{local}") for local, t in built.constants.items()}
             try:
                 json.dumps(meta)
             except TypeError as e:
@@ -109,13 +121,13 @@ class _Writer:
         return record
 
     def file(self, stem: str, delegate: str, payload: bytes) -> dict:
-        path = f"partitions/{stem}_{delegate}.{REGISTRY[delegate].extension}"
+        path = f"partitions/{self.method}_{stem}_{delegate}.{REGISTRY[delegate].extension}"
         self.files[path] = payload
         return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
 
     def program(self, k: int, trace_step: trace.GraphCall) -> dict:
         program: Program = trace_step.program
-        name = lambda n: f"g{k}.{n.name}"  # noqa: E731
+        name = lambda n: f"{self.method}.g{k}.{n.name}"  # noqa: E731
         placeholders = program.graph.placeholders()
         out_node = program.graph.output_node()
         # a value only delegates read is compiled into their artifacts: the bundle need not carry it
@@ -123,6 +135,9 @@ class _Writer:
         sources = [*trace_step.sources, *(("const", t) for t in program.extra)]
         inputs = [{"value": name(n), "from": self.source(s, k, i)}
                   for i, (n, s) in enumerate(zip(placeholders, sources)) if n in needed]
+        for i, n in zip(inputs, [n for n in placeholders if n in needed]):
+            if "state" in i["from"]:  # what the graph was compiled for: a loader checks the state spec against it
+                i.update(_spec(n.meta["val"]))
         outputs = [name(n) for n in out_node.args[0]]
         self.values.append(outputs)
         checks = []
@@ -130,28 +145,37 @@ class _Writer:
             node = out_node.args[0][j]
             filename, line = node.meta.get("stack") or ("<unknown>", 0)
             checks.append({"value": outputs[j], "equals": expected, "op": str(node.target), "at": f"{filename}:{line}"})
+        writes = [self.source(w, k, -1) for w in trace_step.writes]
+        if any("state" not in w for w in writes):
+            raise BundleError(f"graph {k} of {self.method} writes into a tensor that is not a state of the bundle")
         return {"key": program.graph.key, "inputs": inputs,
                 "partitions": [self.partition(k, j, s, name) for j, s in enumerate(program.steps)],
-                "outputs": outputs, "checks": checks}
+                "outputs": outputs, "checks": checks, "writes": [w["state"] for w in writes]}
+
+    def method_record(self, name: str, method: Method) -> dict:
+        self.method, self.inputs, self.values = name, list(method.inputs), []
+        programs = [self.program(k, s) for k, s in enumerate(method.trace.steps)]
+        outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(method.output_names, method.trace.outputs))]
+        return {"inputs": [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()],
+                "outputs": outputs, "programs": programs}
 
     def files_and_manifest(self, model: str) -> dict[str, bytes]:
         from safetensors.torch import save
 
-        programs = [self.program(k, s) for k, s in enumerate(self.compiled.trace.steps)]
-        outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(self.compiled.output_names, self.compiled.trace.outputs))]
+        methods = {name: self.method_record(name, m) for name, m in self.compiled.methods.items()}
         self.files[WEIGHTS] = save(self.weights)
-        delegates = {p["delegate"] for g in programs for p in g["partitions"]}
+        delegates = {p["delegate"] for m in methods.values() for g in m["programs"] for p in g["partitions"]}
         manifest = {
             "schema": SCHEMA, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "toolchain": versions(p for d in delegates for p in REGISTRY[d].toolchain),
-            "inputs": [{"name": n, **_spec(t), **_range(t)} for n, t in self.compiled.inputs.items()],
-            "outputs": outputs,
             "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),
                         "tensors": {n: _spec(t) for n, t in self.weights.items()}},
             "pinned": [{"name": n, "reason": pin.reason(t)} for n, t in self.originals.items() if pin.is_pinned(t)],
-            "state": [],
-            "programs": programs,
+            "state": [{"name": n, **_spec(t), "init": "zeros"} for n, t in self.compiled.states.values()],
+            "methods": methods,
         }
+        if self.compiled.generation is not None:
+            manifest["generate"] = self.compiled.generation
         self.files["manifest.json"] = json.dumps(manifest, indent=1).encode()
         return self.files
 

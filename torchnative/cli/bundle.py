@@ -65,7 +65,8 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
 
     per: dict[str, Counter] = {}
     declined: Counter = Counter()
-    for step in compiled.trace.steps:
+    steps = [step for m in compiled.methods.values() for step in m.trace.steps]
+    for step in steps:
         declined.update((op, d, why) for op, d, why in step.program.declined)
         for s in step.program.steps:
             # a compile-only delegate's partition ships its artifact; eager runs it here
@@ -78,7 +79,8 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     sizes = Counter()
     for name, data in files.items():
         sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
-    table = Table(title=f"bundle {path}: {len(compiled.trace.steps)} graph(s), {seconds:.1f} s")
+    graphs = ", ".join(f"{name} {len(m.trace.steps)}" for name, m in compiled.methods.items())
+    table = Table(title=f"bundle {path}: graphs per method: {graphs}; {seconds:.1f} s")
     for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
     for d, c in sorted(per.items(), key=lambda kv: -kv[1]["ops"]):
@@ -90,12 +92,14 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     other.add_column("detail")
     other.add_row("weights", f"{len(files['weights.safetensors']) / 1024:.0f} KiB: weights partitions take at load or run time (the rest are compiled into artifacts)")
     other.add_row("pinned", ", ".join(pinned) or "none")
-    other.add_row("state", "none (bundles carry no state yet)")
+    states = [t for _, t in compiled.states.values()]
+    other.add_row("state", f"{len(states)} tensors, {sum(t.nbytes for t in states) / 1024:.0f} KiB (the KV cache: "
+                           f"made at load, written by the methods)" if states else "none")
     reasons = Counter(f"{f.delegate}: {f.reason.splitlines()[0][:160]}" for f in fallbacks)
     other.add_row("fallbacks", "; ".join(f"{n}× {why}" for why, n in reasons.items()) or "none")
     for (op, d, why), n in declined.most_common(8):
         other.add_row(f"declined by {d}", f"{n}× {op}: {why[:120]}")
-    other.add_row("check", "; ".join(f"{k} max rel diff {v:.1e}" for k, v in diffs.items())
+    other.add_row("check", "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in diffs.items())
                   + " (the saved bundle, loaded back, vs eager)")
     rows.append(other)
     return rows
@@ -116,10 +120,17 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 @click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None, help="weight quantization (pinned weights stay float)")
 @click.option("--pin", "pins", multiple=True, metavar="GLOB", help="keep matching parameters updatable: inputs, never compiled in")
 @click.option("--out", default=None, help="bundle path: a directory, or a file ending in .zip (default: <model>.bundle)")
+@click.option("--generate/--no-generate", "generate", default=None,
+              help="a causal LM's prefill and decode methods over a static KV cache (default for a causal LM), "
+                   "or one call of the model")
+@click.option("--cache-len", default=128, show_default=True, help="KV cache positions (prompt + new tokens) of a generating bundle")
+@click.option("--prefill-len", default=16, show_default=True, help="tokens per prefill call of a generating bundle")
 def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
-                        quantize: str | None, pins: tuple[str, ...], out: str | None) -> int:
-    """Capture one call of MODEL, compile its graphs for the targets, and write a bundle that runs
-    without the model's Python code.
+                        quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
+                        cache_len: int, prefill_len: int) -> int:
+    """Capture MODEL, compile its graphs for the targets, and write a bundle that runs without
+    the model's Python code: a causal LM's prefill and decode over a static KV cache (the
+    bundle's state; `torchnative run BUNDLE --generate N`), else one call of the model.
 
     MODEL is transformers:<ArchitectureClass> (with --config) or path/to/file.py:factory, where
     factory() returns a module, or (module, dict of example inputs). Default: a tiny GPT-2.
@@ -128,32 +139,35 @@ def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...]
     from torchnative.models import ModelSpecError
 
     try:
-        return _capture_and_compile(model, config, example_inputs, targets, quantize, pins, out)
+        return _capture_and_compile(model, config, example_inputs, targets, quantize, pins, out, generate,
+                                    cache_len, prefill_len)
     except (BundleError, ModelSpecError) as e:
         click.echo(f"torchnative capture-and-compile: {e}", err=True)
         return 2
 
 
 def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
-                         quantize: str | None, pins: tuple[str, ...], out: str | None) -> int:
+                         quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
+                         cache_len: int, prefill_len: int) -> int:
     from torchnative import events
     from torchnative.bundle import load
-    from torchnative.bundle.build import capture_call, compile_trace, compiled, prepare_model
+    from torchnative.bundle.build import (capture_call, compile_generation, compile_trace, is_causal_lm, method,
+                                          prepare_model, weight_names, Compiled)
     from torchnative.bundle.save import save
     from torchnative.inspector.report import console
 
     started = time.perf_counter()
     fallbacks: list = []
     con = console()
+    target_list = targets.split(",") if targets else None
     with _progress() as progress:
         task = progress.add_task(f"building {model}", total=None)
         net, given, described = _model(model, config)
-        inputs = _inputs(net, given, example_inputs)
+        generate = is_causal_lm(net) if generate is None else generate
+        if generate and example_inputs:
+            raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens; --example-input "
+                                   "is for one call (--no-generate)")
         pinned = _pin(net, pins)
-        reference = prepare_model(net, inputs)
-        progress.update(task, description="capturing one call (eager)")
-        trace, run_inputs, output = capture_call(net, inputs)
-        progress.update(task, total=1, completed=1, description=f"captured {len(trace.steps)} graph(s)")
         tasks: dict[str, int] = {}
 
         def follow(event) -> None:
@@ -169,22 +183,56 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
 
         stop = events.listen(follow)
         try:
-            trace = compile_trace(trace, run_inputs, targets.split(",") if targets else None, quantize)
+            if generate:
+                progress.update(task, description="capturing prefill and decode over a static KV cache")
+                result = compile_generation(net, target_list, quantize, cache_len, prefill_len)
+                inputs = {}
+            else:
+                inputs = _inputs(net, given, example_inputs)
+                reference = prepare_model(net, inputs)
+                progress.update(task, description="capturing one call (eager)")
+                trace, run_inputs, output = capture_call(net, inputs)
+                progress.update(task, description=f"captured {len(trace.steps)} graph(s)")
+                trace = compile_trace(trace, run_inputs, target_list, quantize)
+                result = Compiled({"forward": method(inputs, trace, output, reference)}, weight_names(net))
         finally:
             stop()
-        result = compiled(net, inputs, trace, output, reference)
+        progress.update(task, total=1, completed=1)
         path = Path(out or f"{type(net).__name__}.bundle")
         saving = progress.add_task(f"saving {path}", total=None)
         path, files = save(result, path, described, lambda name, size: progress.update(saving, advance=size))
         progress.update(saving, total=sum(map(len, files.values())), completed=sum(map(len, files.values())))
         checking = progress.add_task("loading the bundle back and checking it against eager", total=1)
-        outputs = load(path)(**inputs)
-        diffs = {name: _rel_diff(outputs[name], ref) for name, ref in zip(result.output_names, reference)}
+        diffs = _generate_check(net, load(path), result) if generate else _forward_check(load(path), result)
         progress.update(checking, advance=1)
     for item in _summary(result, fallbacks, pinned, files, path, time.perf_counter() - started, diffs):
         con.print(item)
-    click.echo(f"run it: torchnative run {path} " + " ".join(f"--input {n}=random" for n in inputs))
+    if generate:
+        click.echo(f"run it: torchnative run {path} --generate 32")
+    else:
+        click.echo(f"run it: torchnative run {path} " + " ".join(f"--input {n}=random" for n in inputs))
     return 0
+
+
+def _forward_check(loaded, compiled) -> dict:
+    forward = compiled.methods["forward"]
+    outputs = loaded(**forward.inputs)
+    return {f"{name} max rel diff": _rel_diff(outputs[name], ref) for name, ref in zip(forward.output_names, forward.reference)}
+
+
+def _generate_check(net: torch.nn.Module, loaded, compiled, new_tokens: int = 8) -> dict:
+    """Greedy tokens of the bundle vs the eager model's `generate` on a prompt of 1.5 prefills
+    (a prefill call and decode calls for the rest of it)."""
+    spec = compiled.generation
+    n = min(spec["prefill_len"] * 3 // 2 or 1, spec["cache_len"] - new_tokens)
+    ids = torch.randint(0, net.config.vocab_size, (1, max(n, 1)), generator=torch.Generator().manual_seed(2))
+    got = loaded.generate(ids, max_new_tokens=new_tokens)
+    with torch.no_grad():
+        ref = net.generate(ids, max_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    same = got.shape == ref.shape and torch.equal(got, ref)
+    return {f"greedy tokens ({new_tokens} after a {ids.shape[1]}-token prompt)":
+            "identical to model.generate" if same else f"DIFFER from model.generate: {got[0, ids.shape[1]:].tolist()} "
+                                                        f"vs {ref[0, ids.shape[1]:].tolist()}"}
 
 
 def _read_input(spec: str, expected: dict) -> tuple[str, torch.Tensor]:
@@ -212,43 +260,89 @@ def _random(expected: dict, name: str) -> torch.Tensor:
 @click.command("run")
 @click.argument("bundle")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=FILE.npy|random", help="an input (repeatable); unnamed inputs are random")
-@click.option("--save", "save_to", default=None, metavar="FILE.npz", help="write the outputs to a .npz file")
-def run(bundle: str, inputs: tuple[str, ...], save_to: str | None) -> int:
+@click.option("--save", "save_to", default=None, metavar="FILE.npz", help="write the outputs (or the tokens) to a .npz file")
+@click.option("--method", default=None, help="the method to call, of a bundle with several (default: its only one)")
+@click.option("--generate", "new_tokens", type=int, default=None, metavar="N",
+              help="greedy-decode N tokens after the prompt --input input_ids=prompt.npy (a generating bundle)")
+def run(bundle: str, inputs: tuple[str, ...], save_to: str | None, method: str | None, new_tokens: int | None) -> int:
     """Run a bundle written by capture-and-compile, without the model's code."""
-    import numpy as np
-    from rich.table import Table
-
     from torchnative.bundle import BundleError, load
-    from torchnative.inspector.report import console
 
     try:
         loaded = load(bundle)
+        if new_tokens is not None:
+            return _generate(loaded, bundle, inputs, new_tokens, save_to)
+        return _call(loaded, bundle, inputs, method, save_to)
     except BundleError as e:
         click.echo(f"torchnative run: {e}", err=True)
         return 2
-    ranges = {i["name"]: i.get("range") for i in loaded.manifest["inputs"]}
-    expected = {n: (dtype, shape, ranges[n]) for n, (dtype, shape) in loaded.inputs.items()}
+
+
+def _expected(method) -> dict:
+    ranges = {i["name"]: i.get("range") for i in method.spec["inputs"]}
+    return {n: (dtype, shape, ranges[n]) for n, (dtype, shape) in method.inputs.items()}
+
+
+def _call(loaded, bundle: str, inputs: tuple[str, ...], name: str | None, save_to: str | None) -> int:
+    import numpy as np
+    from rich.table import Table
+
+    from torchnative.inspector.report import console
+
+    if name is None and len(loaded.methods) > 1:
+        raise click.UsageError(f"{bundle} has methods {sorted(loaded.methods)}: choose one with --method"
+                               + (", or generate with --generate N" if "generate" in loaded.manifest else ""))
+    if name is not None and name not in loaded.methods:
+        raise click.UsageError(f"--method {name!r}: {bundle} has methods {sorted(loaded.methods)}")
+    method = loaded.methods[name or next(iter(loaded.methods))]
+    expected = _expected(method)
     given = dict(_read_input(s, expected) for s in inputs)
-    for name in expected:
-        if name not in given:
-            given[name] = _random(expected, name)
-            click.echo(f"{name}: random {str(expected[name][0]).removeprefix('torch.')}{list(expected[name][1])}", err=True)
-    try:
-        started = time.perf_counter()
-        outputs = loaded(**given)
-        seconds = time.perf_counter() - started
-    except BundleError as e:
-        click.echo(f"torchnative run: {e}", err=True)
-        return 2
+    for n in expected:
+        if n not in given:
+            given[n] = _random(expected, n)
+            click.echo(f"{n}: random {str(expected[n][0]).removeprefix('torch.')}{list(expected[n][1])}", err=True)
+    started = time.perf_counter()
+    outputs = method(**given)
+    seconds = time.perf_counter() - started
     table = Table(title=f"{bundle}: outputs ({seconds * 1e3:.1f} ms)")
     for col in ("output", "dtype", "shape", "mean", "std", "min", "max"):
         table.add_column(col)
-    for name, v in outputs.items():
+    for n, v in outputs.items():
         f = v.double()
-        table.add_row(name, str(v.dtype).removeprefix("torch."), str(list(v.shape)), f"{f.mean():.4g}",
+        table.add_row(n, str(v.dtype).removeprefix("torch."), str(list(v.shape)), f"{f.mean():.4g}",
                       f"{f.std():.4g}" if v.numel() > 1 else "-", f"{f.min():.4g}", f"{f.max():.4g}")
     console().print(table)
     if save_to:
         np.savez(save_to, **{n: v.numpy() for n, v in outputs.items()})
         click.echo(f"outputs written to {save_to}")
+    return 0
+
+
+def _generate(loaded, bundle: str, inputs: tuple[str, ...], new_tokens: int, save_to: str | None) -> int:
+    import numpy as np
+
+    spec = loaded.manifest.get("generate")
+    if spec is None:
+        raise click.UsageError(f"{bundle} does not generate (methods {sorted(loaded.methods)}): run it without --generate")
+    prefill = loaded.methods[spec["prefill"]]
+    expected = {spec["tokens"]: _expected(prefill)[spec["tokens"]]}
+    given = dict(_read_input(s, expected) for s in inputs)
+    if spec["tokens"] not in given:
+        given[spec["tokens"]] = _random(expected, spec["tokens"])
+        click.echo(f"{spec['tokens']}: a random prompt of {spec['prefill_len']} tokens", err=True)
+    prompt = given[spec["tokens"]]
+    prompt = prompt.reshape(1, -1) if prompt.dim() == 1 else prompt
+    times: list[float] = []
+    started = time.perf_counter()
+    tokens = loaded.generate(prompt.long(), max_new_tokens=new_tokens, on_token=lambda t: times.append(time.perf_counter()))
+    new = tokens[0, prompt.shape[1]:].tolist()
+    click.echo(" ".join(map(str, new)))
+    if times:
+        first = times[0] - started
+        rate = f"{(len(times) - 1) / (times[-1] - times[0]):.1f} tokens/s" if len(times) > 1 else "-"
+        click.echo(f"{len(new)} new tokens after a {prompt.shape[1]}-token prompt: first in {first * 1e3:.1f} ms "
+                   f"(prefill), then {rate} (decode)", err=True)
+    if save_to:
+        np.savez(save_to, tokens=tokens.numpy())
+        click.echo(f"tokens written to {save_to}")
     return 0

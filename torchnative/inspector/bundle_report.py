@@ -33,25 +33,30 @@ def bundle_tables(path: str) -> Iterator[Table | Text]:
     m = reader.manifest()
     yield Text(f"bundle {path}: {m['model']}, written {m['created']} (schema {m['schema']})\n"
                f"toolchain: " + ", ".join(f"{k} {v}" for k, v in m["toolchain"].items()))
-    io = _table("inputs and outputs", "", "name", "dtype / source", "shape")
-    for i in m["inputs"]:
-        io.add_row("input", i["name"], i["dtype"], str(i["shape"]))
-    for o in m["outputs"]:
-        io.add_row("output", o["name"], next(iter(o["from"])), "")
+    io = _table("methods: inputs and outputs", "method", "", "name", "dtype / source", "shape")
+    for name, method in m["methods"].items():
+        for i in method["inputs"]:
+            io.add_row(name, "input", i["name"], i["dtype"], str(i["shape"]))
+        for o in method["outputs"]:
+            io.add_row(name, "output", o["name"], next(iter(o["from"])), "")
+    for s in m["state"]:
+        io.add_row("(all)", "state", s["name"], s["dtype"], str(s["shape"]))
     yield io
-    parts = _table("partitions in execution order", "graph", "#", "delegate", "ops", "KiB", "compile s", "top ops", "file")
+    parts = _table("partitions in execution order", "method", "graph", "#", "delegate", "ops", "KiB", "compile s",
+                   "top ops", "file")
     per = Counter()
-    for k, g in enumerate(m["programs"]):
+    programs = [(name, k, g) for name, method in m["methods"].items() for k, g in enumerate(method["programs"])]
+    for name, k, g in programs:
         for j, p in enumerate(g["partitions"]):
             top = ", ".join(f"{n}× {op.removeprefix('aten.')}" for op, n in Counter(p["op_counts"]).most_common(3))
-            parts.add_row(str(k), str(j), p["delegate"], str(p["ops"]), f"{p['bytes'] / 1024:.0f}", f"{p['compile_s']:.2f}",
-                          top, _integrity(reader, p, p["artifact"]))
+            parts.add_row(name, str(k), str(j), p["delegate"], str(p["ops"]), f"{p['bytes'] / 1024:.0f}",
+                          f"{p['compile_s']:.2f}", top, _integrity(reader, p, p["artifact"]))
             per[p["delegate"]] += p["ops"]
     yield parts
     total = sum(per.values()) or 1
     yield Text("op coverage: " + ", ".join(f"{d} {100 * n / total:.0f}%" for d, n in per.most_common()))
     w = m["weights"]
-    checks = [c for g in m["programs"] for c in g["checks"]]
+    checks = [c for _, _, g in programs for c in g["checks"]]
     extra = _table("weights, pinned tensors and path checks", "what", "detail")
     extra.add_row(w["file"], f"{w['bytes'] / 1024:.0f} KiB, {len(w['tensors'])} tensors, "
                               f"{_integrity(reader, w, w['file'])}")

@@ -1,0 +1,197 @@
+"""Bundles that generate: a causal LM's prefill and decode methods over a static KV cache (the
+bundle's state), `Bundle.generate` and `torchnative run --generate` in a fresh process, against
+the eager model's `generate(do_sample=False)`; bad prompts, states and manifests refused."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import torchnative
+from torchnative import cli, models
+from torchnative.bundle import BundleError
+from torchnative.bundle.build import compile_generation
+from torchnative.bundle.save import save
+from torchnative.passes.quantize import dequantized_copy
+
+CACHE, PREFILL, NEW = 64, 8, 32
+# a prompt of one prefill and three decode calls
+PROMPT = torch.randint(0, 1000, (1, PREFILL + 3), generator=torch.Generator().manual_seed(3))
+
+
+def _config(arch: str, tmp: Path) -> Path:
+    """The tiny preset with larger initial weights: random models then pick varied tokens, not
+    one token repeated, so a wrong cache position shows in the tokens."""
+    config = models.transformers_model(arch, "tiny").config.to_dict()
+    config["initializer_range"] = 0.2
+    path = tmp / f"{arch}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _eager(arch: str, config: Path, quantize: str | None = None) -> torch.Tensor:
+    model = models.transformers_model(arch, str(config), use_cache=True)
+    if quantize:
+        model = dequantized_copy(model, quantize)
+    with torch.no_grad():
+        return model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+
+
+def _bundle(arch: str, tmp: Path, *extra: str) -> tuple[Path, Path]:
+    config = _config(arch, tmp)
+    out = tmp / f"{arch}.bundle"
+    assert cli.main(["capture-and-compile", f"transformers:{arch}", "--config", str(config), "--out", str(out),
+                     "--cache-len", str(CACHE), "--prefill-len", str(PREFILL), *extra]) == 0
+    return out, config
+
+
+def _fresh_generate(bundle: Path, tmp: Path) -> torch.Tensor:
+    np.save(tmp / "prompt.npy", PROMPT.numpy())
+    done = subprocess.run([sys.executable, "-m", "torchnative.cli", "run", str(bundle), "--generate", str(NEW),
+                           "--input", f"input_ids={tmp / 'prompt.npy'}", "--save", str(tmp / "tokens.npz")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens/s (decode)" in done.stderr
+    with np.load(tmp / "tokens.npz") as saved:
+        tokens = torch.from_numpy(saved["tokens"])
+    assert done.stdout.split("\n")[0].split() == [str(t) for t in tokens[0, PROMPT.shape[1]:].tolist()]
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+def test_bundle_generates_in_a_fresh_process_the_tokens_of_eager_generate(arch, tmp_path):
+    bundle, config = _bundle(arch, tmp_path)
+    expected = _eager(arch, config)
+    assert len(set(expected[0, PROMPT.shape[1]:].tolist())) > 4  # varied tokens: positions matter
+    assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert set(manifest["methods"]) == {"prefill", "decode"}
+    keys = [s for s in manifest["state"] if s["name"].endswith(".keys")]
+    assert keys and all(s["shape"][2] == CACHE and s["dtype"] == "float32" for s in keys)
+    # both methods read the same weights, stored once under the model's names (besides small
+    # constants the passes folded)
+    model = models.transformers_model(arch, str(config))
+    stored = manifest["weights"]["tensors"]
+    assert {n for n in stored if not n.startswith("constants.")} <= {n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    size = sum(t.nbytes for t in {id(t): t for t in model.state_dict().values()}.values())
+    assert manifest["weights"]["bytes"] < 1.1 * size
+
+
+def test_generate_in_process_resets_the_cache_and_stops_at_eos(tmp_path):
+    bundle, config = _bundle("LlamaForCausalLM", tmp_path)
+    loaded = torchnative.load(bundle)
+    expected = _eager("LlamaForCausalLM", config)
+    assert torch.equal(loaded.generate(PROMPT, max_new_tokens=NEW), expected)
+    assert torch.equal(loaded.generate(PROMPT, max_new_tokens=NEW), expected)  # the second starts from zeros too
+    eos = int(expected[0, PROMPT.shape[1] + 5])
+    first = expected[0, PROMPT.shape[1]:].tolist().index(eos)
+    stopped = loaded.generate(PROMPT, max_new_tokens=NEW, eos=eos)
+    assert torch.equal(stopped, expected[:, :PROMPT.shape[1] + first + 1])
+    # a prompt shorter than one prefill runs on decode alone
+    short = PROMPT[:, :3]
+    model = models.transformers_model("LlamaForCausalLM", str(config), use_cache=True)
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(short, max_new_tokens=8), model.generate(short, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.parametrize("targets", ["xnnpack", "eager"])
+def test_other_delegates_write_the_state_as_outputs(targets, tmp_path):
+    """XNNPACK does not write in place: the cache's new values leave its partitions as outputs, and
+    eager's partitions (ExportedPrograms) write the state they are given."""
+    model = models.transformers_model("LlamaForCausalLM", str(_config("LlamaForCausalLM", tmp_path)), use_cache=True)
+    save(compile_generation(model, [targets], cache_len=CACHE, prefill_len=PREFILL), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    if targets == "xnnpack":
+        assert "xnnpack" in {p["delegate"] for m in loaded.manifest["methods"].values() for g in m["programs"]
+                             for p in g["partitions"]}
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(PROMPT, max_new_tokens=NEW), model.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
+
+
+def test_int4_bundle_keeps_the_cache_float_and_generates_the_dequantized_models_tokens(tmp_path):
+    bundle, config = _bundle("GPT2LMHeadModel", tmp_path, "--quantize", "int4")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert all(s["dtype"] in ("float32", "int64") for s in manifest["state"])
+    for name in ("prefill", "decode"):  # ONNX Runtime's 4-bit kernel, in both methods
+        onnx_files = [p["artifact"] for g in manifest["methods"][name]["programs"] for p in g["partitions"]]
+        kinds = {n.op_type for f in onnx_files for n in onnx.load(bundle / f, load_external_data=False).graph.node}
+        assert "MatMulNBits" in kinds
+    # the packed weights are stored once for both methods, and no float copy of them
+    stored = manifest["weights"]["tensors"]
+    assert not any(n.endswith("attn.c_attn.weight") for n in stored)
+    assert sum(1 for n, t in stored.items() if t["dtype"] == "int8") == 2 * 4 + 1  # four per layer, and the LM head (its tied embedding stays float)
+    assert torch.equal(_fresh_generate(bundle, tmp_path), _eager("GPT2LMHeadModel", config, "int4"))
+
+
+# -- refused: a prompt the cache cannot hold, a state of the wrong shape, a tampered state spec -------
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gen")
+    return _bundle("GPT2LMHeadModel", tmp)[0]
+
+
+def test_bad_prompts_and_states(good):
+    loaded = torchnative.load(good)
+    with pytest.raises(BundleError, match=r"60 tokens and 8 new tokens need 67 cache positions; this bundle's KV "
+                                          r"cache holds 64.*--cache-len"):
+        loaded.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=8)
+    with pytest.raises(BundleError, match=r"int64 token ids of shape \[1, n\], got torch.int32\[1, 4\]"):
+        loaded.generate(torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(BundleError, match=r"state 'cache.layers.0.keys' is float32\[1, 4, 64, 16\], got float32\[1, 4, 32, 16\]"):
+        loaded.set_state("cache.layers.0.keys", torch.zeros(1, 4, 32, 16))
+    with pytest.raises(BundleError, match=r"'cache.nothing' is not a state"):
+        loaded.set_state("cache.nothing", torch.zeros(1))
+    with pytest.raises(BundleError, match=r"has methods \['decode', 'prefill'\]: call one of them"):
+        loaded(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(BundleError, match=r"'input_ids' must be int64\[1, 1\]"):
+        loaded.decode(input_ids=torch.zeros(1, 2, dtype=torch.long), cache_position=torch.tensor([3]))
+
+
+def _edit(bundle: Path, change) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    change(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def _shape(m: dict) -> None:
+    m["state"][0]["shape"][2] = 32
+
+
+def _undeclared(m: dict) -> None:
+    m["state"] = m["state"][1:]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.pop("state"), r"the state spec in .* is missing or malformed"),
+    (lambda m: m["state"][0].pop("init"), r"the state spec in .* is missing or malformed"),
+    (_shape, r"reads state 'cache.layers.0.keys' as float32\[1, 4, 64, 16\], which the manifest's state spec declares "
+             r"float32\[1, 4, 32, 16\]: the manifest was tampered with"),
+    (_undeclared, r"reads state 'cache.layers.0.keys' .* does not declare"),
+])
+def test_tampered_state_spec(good, tmp_path, change, message):
+    copy = tmp_path / "copy.bundle"
+    shutil.copytree(good, copy)
+    _edit(copy, change)
+    with pytest.raises(BundleError, match=message):
+        torchnative.load(copy)
+
+
+def test_a_cache_that_counts_in_python_is_refused(tmp_path):
+    """A sliding-window cache keeps its length as a Python int that the next call's mask reads: a
+    bundle (no Python) would replay the captured position. Refused, not wrong."""
+    config = models.transformers_model("MistralForCausalLM", "tiny").config.to_dict()
+    config["sliding_window"] = 4096
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    model = models.transformers_model("MistralForCausalLM", str(tmp_path / "c.json"), use_cache=True)
+    with pytest.raises(BundleError, match=r"changes Python state of cache \(StaticCache\).*sliding-window"):
+        compile_generation(model, ["eager"], cache_len=CACHE, prefill_len=PREFILL)
+
+
+def test_run_without_generate_on_a_generating_bundle_names_the_methods(good, capsys):
+    assert cli.main(["run", str(good)]) != 0
+    assert cli.main(["run", str(good), "--method", "decode"]) == 0

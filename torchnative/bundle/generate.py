@@ -1,0 +1,73 @@
+"""Greedy decoding with a causal LM's bundle, no transformers code: the prompt goes through the
+`prefill` method in chunks of its length, the rest of it and every new token through `decode`,
+each call at its own cache positions; the KV cache is the bundle's state, written by both."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from torchnative.bundle.format import BundleError
+
+if TYPE_CHECKING:
+    from torchnative.bundle.load import Bundle
+
+
+def _eos(spec: dict, eos: int | Sequence[int] | None) -> set[int]:
+    if eos is None:
+        return set(spec["eos"])
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _prompt(spec: dict, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1 \
+            or input_ids.dtype != torch.int64:
+        got = f"{input_ids.dtype}{list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise BundleError(f"generate takes the prompt as int64 token ids of shape [1, n], got {got}")
+    n, room = input_ids.shape[1], spec["cache_len"]
+    if n == 0:
+        raise BundleError("generate needs a prompt of at least one token")
+    if max_new_tokens < 0:
+        raise BundleError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
+    # the last new token is returned, never written: the cache holds n + max_new_tokens - 1 positions
+    if n + max(max_new_tokens, 1) - 1 > room:
+        raise BundleError(f"a prompt of {n} tokens and {max_new_tokens} new tokens need {n + max_new_tokens - 1} "
+                          f"cache positions; this bundle's KV cache holds {room}. Shorten the prompt or write the "
+                          f"bundle again with a longer --cache-len")
+
+
+def greedy(bundle: "Bundle", input_ids: torch.Tensor, max_new_tokens: int, eos: int | Sequence[int] | None,
+           on_token: Callable[[int], None] = lambda token: None) -> torch.Tensor:
+    """The prompt followed by the new tokens, [1, n + new]; `on_token` is told each new token
+    as it is chosen (progress, timing)."""
+    spec = bundle.manifest.get("generate")
+    if spec is None:
+        raise BundleError(f"{bundle.path} does not generate: it holds methods {sorted(bundle.methods)}, not a causal "
+                          f"LM's prefill and decode (capture-and-compile writes those for a causal LM)")
+    _prompt(spec, input_ids, max_new_tokens)
+    prefill, decode = bundle.methods[spec["prefill"]], bundle.methods[spec["decode"]]
+    chunk, tokens, positions, logits = spec["prefill_len"], spec["tokens"], spec["positions"], spec["logits"]
+    stop = _eos(spec, eos)
+    bundle.reset()
+
+    def step(method, ids: torch.Tensor, at: int) -> torch.Tensor:
+        return method(**{tokens: ids, positions: torch.arange(at, at + ids.shape[1])})[logits]
+
+    n = input_ids.shape[1]
+    done = 0
+    while n - done >= chunk:
+        last = step(prefill, input_ids[:, done:done + chunk], done)
+        done += chunk
+    while done < n:
+        last = step(decode, input_ids[:, done:done + 1], done)
+        done += 1
+    out = [input_ids]
+    for k in range(max_new_tokens):
+        token = last[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+        on_token(int(token))
+        if int(token) in stop or k == max_new_tokens - 1:
+            break
+        last = step(decode, token, done)
+        done += 1
+    return torch.cat(out, dim=1)
