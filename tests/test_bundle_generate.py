@@ -28,7 +28,7 @@ def _config(arch: str, tmp: Path) -> Path:
     """The tiny preset with larger initial weights: random models then pick varied tokens, not
     one token repeated, so a wrong cache position shows in the tokens."""
     config = models.transformers_model(arch, "tiny").config.to_dict()
-    config["initializer_range"] = 0.2
+    config["initializer_range"], config["initializer_factor"] = 0.2, 4.0  # (T5 reads the factor)
     path = tmp / f"{arch}.json"
     path.write_text(json.dumps(config))
     return path
@@ -45,12 +45,16 @@ def _eager(arch: str, config: Path, quantize: str | None = None) -> torch.Tensor
 def _bundle(arch: str, tmp: Path, *extra: str) -> tuple[Path, Path]:
     config = _config(arch, tmp)
     out = tmp / f"{arch}.bundle"
+    # an encoder-decoder's prefill length is its encoder's: the longest prompt
+    prefill = 2 * PREFILL if arch == "T5ForConditionalGeneration" else PREFILL
     assert cli.main(["capture-and-compile", f"transformers:{arch}", "--config", str(config), "--out", str(out),
-                     "--cache-len", str(CACHE), "--prefill-len", str(PREFILL), *extra]) == 0
+                     "--cache-len", str(CACHE), "--prefill-len", str(prefill), *extra]) == 0
     return out, config
 
 
-def _fresh_generate(bundle: Path, tmp: Path) -> torch.Tensor:
+def _fresh_generate(bundle: Path, tmp: Path, prompt_tokens: bool = True) -> torch.Tensor:
+    """`torchnative run --generate` in a new process: its tokens (with the prompt's, as
+    transformers returns them: a causal LM's after the prompt, an encoder-decoder's after the start)."""
     np.save(tmp / "prompt.npy", PROMPT.numpy())
     done = subprocess.run([sys.executable, "-m", "torchnative.cli", "run", str(bundle), "--generate", str(NEW),
                            "--input", f"input_ids={tmp / 'prompt.npy'}", "--save", str(tmp / "tokens.npz")],
@@ -59,18 +63,21 @@ def _fresh_generate(bundle: Path, tmp: Path) -> torch.Tensor:
     assert "tokens/s (decode)" in done.stderr
     with np.load(tmp / "tokens.npz") as saved:
         tokens = torch.from_numpy(saved["tokens"])
-    assert done.stdout.split("\n")[0].split() == [str(t) for t in tokens[0, PROMPT.shape[1]:].tolist()]
+    printed = tokens[0, PROMPT.shape[1] if prompt_tokens else 1:]
+    assert done.stdout.split("\n")[0].split() == [str(t) for t in printed.tolist()]
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"])
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                                  "T5ForConditionalGeneration"])
 def test_bundle_generates_in_a_fresh_process_the_tokens_of_eager_generate(arch, tmp_path):
     bundle, config = _bundle(arch, tmp_path)
     expected = _eager(arch, config)
-    assert len(set(expected[0, PROMPT.shape[1]:].tolist())) > 4  # varied tokens: positions matter
-    assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
+    seq2seq = arch == "T5ForConditionalGeneration"
+    assert len(set(expected[0, 1 if seq2seq else PROMPT.shape[1]:].tolist())) > 4  # varied tokens: positions matter
+    assert torch.equal(_fresh_generate(bundle, tmp_path, prompt_tokens=not seq2seq), expected)
     manifest = json.loads((bundle / "manifest.json").read_text())
-    assert set(manifest["methods"]) == {"prefill", "decode"}
+    assert set(manifest["methods"]) == ({"encode", "decode"} if seq2seq else {"prefill", "decode"})
     keys = [s for s in manifest["state"] if s["name"].endswith(".keys")]
     assert keys and all(s["shape"][2] == CACHE and s["dtype"] == "float32" for s in keys)
     # both methods read the same weights, stored once under the model's names (besides small
@@ -195,3 +202,16 @@ def test_a_cache_that_counts_in_python_is_refused(tmp_path):
 def test_run_without_generate_on_a_generating_bundle_names_the_methods(good, capsys):
     assert cli.main(["run", str(good)]) != 0
     assert cli.main(["run", str(good), "--method", "decode"]) == 0
+
+
+def test_an_encoder_decoder_takes_prompts_up_to_its_encoder_length(tmp_path):
+    model = models.transformers_model("T5ForConditionalGeneration", str(_config("T5ForConditionalGeneration", tmp_path)),
+                                      use_cache=True)
+    save(compile_generation(model, ["eager"], cache_len=CACHE, prefill_len=12), tmp_path / "t5", "test")
+    loaded = torchnative.load(tmp_path / "t5")
+    for n in (1, 7, 12):  # padded to the encoder's 13 positions, the full one too
+        prompt = PROMPT[:, :n]
+        with torch.no_grad():
+            assert torch.equal(loaded.generate(prompt, max_new_tokens=12), model.generate(prompt, max_new_tokens=12, do_sample=False))
+    with pytest.raises(BundleError, match=r"a prompt of 13 tokens is longer than this bundle's encoder input \(12\)"):
+        loaded.generate(torch.ones(1, 13, dtype=torch.long))

@@ -59,7 +59,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
     objects = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
     before = {k: object_state(v) for k, v in objects.items()}
     tracer = Tracer()
-    with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1):
+    with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1, floats_vary=False):
         out = model(**inputs)
     out = real_outputs(out)
     changed = [f"{k} ({type(v).__name__})" for k, v in objects.items() if object_state(v) != before[k]]
@@ -120,11 +120,17 @@ def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], target
     return Compiled({"forward": forward}, weight_names(model))
 
 
-def is_causal_lm(model: torch.nn.Module) -> bool:
-    """A transformers model that generates token by token from its own outputs (not an encoder-decoder)."""
+def generates(model: torch.nn.Module) -> bool:
+    """A transformers model that generates token by token from its own outputs: a causal LM, or
+    an encoder-decoder (T5, BART)."""
     config = getattr(model, "config", None)
     can = getattr(model, "can_generate", None)
-    return config is not None and callable(can) and can() and not getattr(config, "is_encoder_decoder", False)
+    return config is not None and callable(can) and can()
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    # transformers 5 names the argument `cache` (`past_key_values` is deprecated), 4 `past_key_values`
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class _CacheStep(torch.nn.Module):
@@ -135,9 +141,40 @@ class _CacheStep(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, cache: Any) -> dict[str, torch.Tensor]:
-        # transformers 5 names the argument `cache` (`past_key_values` is deprecated), 4 `past_key_values`
-        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True, **{name: cache})
+        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
+                         **{_cache_argument(self.model): cache})
+        return {"logits": out.logits}
+
+
+class _Encode(torch.nn.Module):
+    """An encoder-decoder's encoder: the hidden states the decoder's cross-attention reads."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
+        return {"encoder_hidden_states": out.last_hidden_state}
+
+
+class _DecoderStep(torch.nn.Module):
+    """One decoder call of an encoder-decoder over a static self-attention cache. Cross-attention
+    keys and values are computed from the encoder's states in every call: transformers caches
+    them behind a Python flag per layer (`is_updated`), state a bundle cannot replay."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_attention_mask: torch.Tensor, cache: Any) -> dict[str, torch.Tensor]:
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        both = EncoderDecoderCache(cache, DynamicCache(config=self.model.config))
+        out = self.model(decoder_input_ids=input_ids, encoder_outputs=(encoder_hidden_states,),
+                         attention_mask=encoder_attention_mask, cache_position=cache_position, use_cache=True,
+                         **{_cache_argument(self.model): both})
         return {"logits": out.logits}
 
 
@@ -165,28 +202,53 @@ def state_tensors(obj: Any, path: str = "cache") -> dict[str, torch.Tensor]:
     return found
 
 
+def _calls(model: torch.nn.Module, prefill_len: int, seed: int) -> dict[str, tuple[torch.nn.Module, dict, bool]]:
+    """The calls to capture: name -> (module, example inputs, whether it takes the cache)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, model.config.vocab_size, (1, prefill_len), generator=g)
+    if not model.config.is_encoder_decoder:
+        step = _CacheStep(model)
+        return {"prefill": (step, {"input_ids": ids, "cache_position": torch.arange(prefill_len)}, True),
+                "decode": (step, {"input_ids": ids[:, :1].clone(), "cache_position": torch.tensor([prefill_len])}, True)}
+    # a prompt of up to `prefill_len` tokens, padded by one at least: transformers skips the mask
+    # when it has no padding (reading its value: a path check), and the bundle takes the masked path
+    # always (the same values for a prompt of every length)
+    ids = torch.cat([ids, torch.full((1, 1), model.generation_config.pad_token_id or 0)], dim=1)
+    mask = (torch.arange(prefill_len + 1) < prefill_len).long()[None]
+    encode = _Encode(model)
+    with torch.no_grad():
+        states = encode(ids, mask)["encoder_hidden_states"]
+    start = torch.tensor([[model.generation_config.decoder_start_token_id or 0]])
+    return {"encode": (encode, {"input_ids": ids, "attention_mask": mask}, False),
+            "decode": (_DecoderStep(model), {"input_ids": start, "cache_position": torch.tensor([0]),
+                                             "encoder_hidden_states": states, "encoder_attention_mask": mask}, True)}
+
+
 def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, quantize: str | None = None,
                        cache_len: int = 128, prefill_len: int = 16, seed: int = 1) -> Compiled:
-    """A causal LM as two methods over one static KV cache, the bundle's state: `prefill`
-    (`prefill_len` tokens at once) and `decode` (one token), each taking `input_ids` and their
-    `cache_position`s and returning the logits. `Bundle.generate` prefills a prompt in chunks of
-    `prefill_len`, decodes the rest of it token by token, then decodes greedily."""
+    """A generating model as methods over one static KV cache, the bundle's state. A causal LM:
+    `prefill` (`prefill_len` tokens at once) and `decode` (one token), each taking `input_ids`
+    and their `cache_position`s and returning the logits; `Bundle.generate` prefills a prompt in
+    chunks of `prefill_len`, decodes the rest of it token by token, then decodes greedily. An
+    encoder-decoder: `encode` (a prompt of up to `prefill_len` tokens padded to `prefill_len + 1`,
+    and its mask) and `decode`
+    (one decoder token, reading the encoder's states)."""
     from transformers import StaticCache
 
-    if not is_causal_lm(model):
-        raise BundleError(f"{type(model).__name__} is not a causal LM (a transformers model that generates, not "
-                          f"an encoder-decoder): capture one call of it instead (--no-generate)")
+    if not generates(model):
+        raise BundleError(f"{type(model).__name__} does not generate (not a transformers causal LM or "
+                          f"encoder-decoder): capture one call of it instead (--no-generate)")
     if not 0 < prefill_len < cache_len:
         raise BundleError(f"the prefill length ({prefill_len}) must be at least 1 and less than the cache length ({cache_len})")
     model.eval()
     name_tensors(model)
-    step = _CacheStep(model)
+    calls = _calls(model, prefill_len, seed)
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    ids = torch.randint(0, model.config.vocab_size, (1, prefill_len), generator=torch.Generator().manual_seed(seed))
-    calls = {"prefill": {"input_ids": ids, "cache_position": torch.arange(prefill_len)},
-             "decode": {"input_ids": ids[:, :1].clone(), "cache_position": torch.tensor([prefill_len])}}
-    with torch.no_grad():
-        step(**calls["prefill"], cache=cache)  # the cache makes its tensors on the first call: not in a graph
+    with torch.no_grad():  # the cache makes its tensors on the first call: not in a graph
+        for module, inputs, cached in calls.values():
+            if cached:
+                module(**inputs, cache=cache)
+                break
     cache.reset()
     states = state_tensors(cache)
     if any(t.any() for t in states.values()):
@@ -194,12 +256,19 @@ def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, qu
                           f"non-zero; a bundle's state starts at zeros")
     ids_of = frozenset(map(id, states.values()))
     methods = {}
-    for name, inputs in calls.items():
-        trace, run_inputs, out = capture_call(step, {**inputs, "cache": cache}, ids_of)
+    for name, (module, inputs, cached) in calls.items():
+        trace, run_inputs, out = capture_call(module, {**inputs, "cache": cache} if cached else inputs, ids_of)
         reference = pytree.tree_leaves(out)
         methods[name] = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
-    eos = model.generation_config.eos_token_id
-    generation = {"prefill": "prefill", "decode": "decode", "prefill_len": prefill_len, "cache_len": cache_len,
+    config = model.generation_config
+    eos = config.eos_token_id
+    generation = {"decode": "decode", "prefill_len": prefill_len, "cache_len": cache_len,
                   "tokens": "input_ids", "positions": "cache_position", "logits": "logits",
                   "eos": [] if eos is None else [eos] if isinstance(eos, int) else list(eos)}
+    if model.config.is_encoder_decoder:
+        generation.update(encode="encode", mask="attention_mask", encoder_states="encoder_hidden_states",
+                          encoder_mask="encoder_attention_mask", encoder_len=prefill_len + 1, pad=config.pad_token_id or 0,
+                          start=config.decoder_start_token_id or 0)
+    else:
+        generation["prefill"] = "prefill"
     return Compiled(methods, weight_names(model), {id(t): (n, t) for n, t in states.items()}, generation)

@@ -151,7 +151,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
                          cache_len: int, prefill_len: int) -> int:
     from torchnative import events
     from torchnative.bundle import load
-    from torchnative.bundle.build import (capture_call, compile_generation, compile_trace, is_causal_lm, method,
+    from torchnative.bundle.build import (capture_call, compile_generation, compile_trace, generates, method,
                                           prepare_model, weight_names, Compiled)
     from torchnative.bundle.save import save
     from torchnative.inspector.report import console
@@ -163,7 +163,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
     with _progress() as progress:
         task = progress.add_task(f"building {model}", total=None)
         net, given, described = _model(model, config)
-        generate = is_causal_lm(net) if generate is None else generate
+        generate = generates(net) if generate is None else generate
         if generate and example_inputs:
             raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens; --example-input "
                                    "is for one call (--no-generate)")
@@ -222,15 +222,16 @@ def _forward_check(loaded, compiled) -> dict:
 
 def _generate_check(net: torch.nn.Module, loaded, compiled, new_tokens: int = 8) -> dict:
     """Greedy tokens of the bundle vs the eager model's `generate` on a prompt of 1.5 prefills
-    (a prefill call and decode calls for the rest of it)."""
+    (a prefill call and decode calls for the rest of it; an encoder-decoder's: a padded one)."""
     spec = compiled.generation
-    n = min(spec["prefill_len"] * 3 // 2 or 1, spec["cache_len"] - new_tokens)
-    ids = torch.randint(0, net.config.vocab_size, (1, max(n, 1)), generator=torch.Generator().manual_seed(2))
+    n = spec["prefill_len"] - 1 if "encode" in spec else min(spec["prefill_len"] * 3 // 2, spec["cache_len"] - new_tokens)
+    # no token 0 or 1: transformers masks a prompt's pad tokens (often 0) when it holds any
+    ids = torch.randint(2, net.config.vocab_size, (1, max(n, 1)), generator=torch.Generator().manual_seed(2))
     got = loaded.generate(ids, max_new_tokens=new_tokens)
     with torch.no_grad():
         ref = net.generate(ids, max_new_tokens=new_tokens, do_sample=False, use_cache=True)
     same = got.shape == ref.shape and torch.equal(got, ref)
-    return {f"greedy tokens ({new_tokens} after a {ids.shape[1]}-token prompt)":
+    return {f"greedy tokens ({new_tokens} for a {ids.shape[1]}-token prompt)":
             "identical to model.generate" if same else f"DIFFER from model.generate: {got[0, ids.shape[1]:].tolist()} "
                                                         f"vs {ref[0, ids.shape[1]:].tolist()}"}
 
@@ -324,8 +325,9 @@ def _generate(loaded, bundle: str, inputs: tuple[str, ...], new_tokens: int, sav
     spec = loaded.manifest.get("generate")
     if spec is None:
         raise click.UsageError(f"{bundle} does not generate (methods {sorted(loaded.methods)}): run it without --generate")
-    prefill = loaded.methods[spec["prefill"]]
-    expected = {spec["tokens"]: _expected(prefill)[spec["tokens"]]}
+    first = loaded.methods[spec.get("prefill") or spec["encode"]]  # the method that takes the prompt
+    dtype, _, token_range = _expected(first)[spec["tokens"]]
+    expected = {spec["tokens"]: (dtype, (1, spec["prefill_len"]), token_range)}
     given = dict(_read_input(s, expected) for s in inputs)
     if spec["tokens"] not in given:
         given[spec["tokens"]] = _random(expected, spec["tokens"])
@@ -335,7 +337,7 @@ def _generate(loaded, bundle: str, inputs: tuple[str, ...], new_tokens: int, sav
     times: list[float] = []
     started = time.perf_counter()
     tokens = loaded.generate(prompt.long(), max_new_tokens=new_tokens, on_token=lambda t: times.append(time.perf_counter()))
-    new = tokens[0, prompt.shape[1]:].tolist()
+    new = tokens[0, 1 if "encode" in spec else prompt.shape[1]:].tolist()  # an encoder-decoder's: after the start token
     click.echo(" ".join(map(str, new)))
     if times:
         first = times[0] - started

@@ -33,11 +33,12 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
             tracer: Tracer | None = None, compile_after: int = COMPILE_AFTER, quantize: str | None = None,
-            background: bool | None = None) -> Iterator[Recorder | None]:
+            background: bool | None = None, floats_vary: bool = True) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
     `tracer` watches the session for replay; `compile_after`, `background`: see `program_for`
     (None: `program_cache.BACKGROUND`); `quantize`: a weight quantization scheme
-    (passes.quantize). Nested, the outer session records and its settings hold."""
+    (passes.quantize); `floats_vary`: see `Recorder`. Nested, the outer session records and its
+    settings hold."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
         if tracer is not None:
@@ -47,7 +48,8 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         return
     mode = DoorMode()
     background = BACKGROUND if background is None else background
-    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize, background), mode, weights)
+    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize, background), mode, weights,
+                        floats_vary)
     if tracer is not None:
         recorder.observe = tracer.eager
     previous = set_handler(recorder)
