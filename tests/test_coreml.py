@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 
 import torchnative
 from tests.conftest import record
@@ -15,7 +16,10 @@ from tests.test_bundle import _compile, _eager, _fresh_run, _close
 from tests.sweep import sweep
 from tests.test_delegates import OPS
 from torchnative import events, models
+from torchnative.bundle.build import compile_generation
+from torchnative.bundle.save import save
 from torchnative.delegates import REGISTRY, coreml
+from torchnative.ir import CapturedGraph
 from torchnative.runtime.program_cache import clear_caches
 
 pytestmark = pytest.mark.skipif(REGISTRY["coreml"].available().status == "unavailable",
@@ -134,6 +138,38 @@ def test_a_bundle_ships_the_packages_and_runs_here_on_their_eager_fallback(cache
     loaded = torchnative.load(bundle)
     assert len(loaded.fallbacks) == (0 if ON_MAC else len(parts))
     assert all("macOS and iOS only" in why for _, _, why in loaded.fallbacks)
+
+
+def test_a_generating_bundle_keeps_the_kv_cache_as_core_ml_states(cache, tmp_path):
+    """Prefill and decode over one static cache: every cache write is a Core ML state (iOS 18
+    StateType) of a package, and the bundle generates eager's tokens here on the fallbacks."""
+    model = models.transformers_model("GPT2LMHeadModel", "tiny", use_cache=True)
+    save(compile_generation(model, ["coreml"], cache_len=32, prefill_len=8), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    manifest = loaded.manifest
+    declared = {s["name"]: s["shape"] for s in manifest["state"] if s["name"].endswith((".keys", ".values"))}
+    for name, m in manifest["methods"].items():
+        parts = [p for g in m["programs"] for p in g["partitions"] if p["delegate"] == "coreml"]
+        states = [s for p in parts for s in coreml.describe((tmp_path / "b" / p["artifact"]).read_bytes())["states"]]
+        # each layer's keys and values, at the cache's shape
+        assert sorted(s["shape"] for s in states) == sorted(declared.values()), name
+    prompt = torch.randint(0, 1000, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=12), model.generate(prompt, max_new_tokens=12, do_sample=False))
+
+
+def test_writes_at_several_positions_are_indexed_in_full():
+    """A prefill's `cache[:, :, positions] = kv` rewritten for coremltools computes the same."""
+    state, kv, positions = torch.randn(2, 3, 16, 4), torch.randn(2, 3, 5, 4), torch.tensor([4, 5, 6, 7, 8])
+    g = fx.Graph()
+    s, v, i = g.placeholder("s"), g.placeholder("v"), g.placeholder("i")
+    for node, t in ((s, state), (v, kv), (i, positions)):
+        node.meta["val"] = t
+    g.output([g.call_function(torch.ops.aten.index_put.default, (s, [None, None, i], v))])
+    graph = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), ["input"] * 3, ["output"])
+    rewritten = coreml._indexed_in_full(graph)
+    assert all(None not in n.args[1] for n in rewritten.gm.graph.nodes if n.target is torch.ops.aten.index_put.default)
+    assert torch.equal(rewritten.gm(state, kv, positions)[0], graph.gm(state, kv, positions)[0])
 
 
 @pytest.mark.skipif(not ON_MAC, reason="Core ML predicts on macOS and iOS only; this machine is "

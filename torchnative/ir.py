@@ -30,6 +30,12 @@ def is_weight(role: Role) -> bool:
     return role in WEIGHT_ROLES
 
 
+def _is_state_value(n: fx.Node, states: frozenset[str]) -> bool:
+    """A state placeholder, or its in-place write (which returns it)."""
+    return n.op == "placeholder" and n.name in states or \
+        n.target is torch.ops.aten.index_put_.default and _is_state_value(n.args[0], states)
+
+
 @dataclass
 class CapturedGraph:
     """A Core ATen `fx.GraphModule` plus the role of each placeholder and output.
@@ -83,23 +89,35 @@ class CapturedGraph:
     def op_counts(self) -> Counter:
         return Counter(self.ops())
 
-    def to_exported_program(self, dense: bool = False) -> "torch.export.ExportedProgram":
+    def to_exported_program(self, dense: bool = False, states: frozenset[str] = frozenset()) -> "torch.export.ExportedProgram":
         """Export of the graph for torch.export-based delegates: constants (params) become
         module buffers, which export lifts into weights the delegate may prepack; example inputs
         are strided like the real ones, since a view in the graph may only be valid on those —
         unless `dense`: for a delegate whose tensors have no strides (Core ML), which is given
-        contiguous inputs and where a view is a reshape."""
+        contiguous inputs and where a view is a reshape. `states`: placeholders that become
+        buffers (zeros) the graph writes in place: export's mutable buffers (Core ML's states);
+        outputs that are those buffers are left out."""
         root = torch.nn.Module()
         g = fx.Graph()
         env: dict = {}
         examples = []
         for n in self.gm.graph.nodes:
-            if n.op == "placeholder" and n.name in self.constants:
-                root.register_buffer(n.name, self.constants[n.name].detach())
+            if n.op == "placeholder" and (n.name in self.constants or n.name in states):
+                v = n.meta["val"]
+                root.register_buffer(n.name, self.constants[n.name].detach() if n.name in self.constants
+                                     else torch.zeros(v.shape, dtype=v.dtype))
                 env[n] = g.get_attr(n.name)
+                continue
+            if n.op == "output" and states:
+                kept = [a for a in n.args[0] if not _is_state_value(a, states)]
+                env[n] = g.output(tuple(env[a] for a in kept))
                 continue
             env[n] = g.node_copy(n, env.__getitem__)
             env[n].meta = {}  # torch.export mistakes our meta["val"] (device "meta") for constants
+            if dense and n.target is torch.ops.aten.view.default:
+                # the delegate's tensors have no strides, and a decomposition (attention's) may lay
+                # out what a view reads otherwise than eager did
+                env[n].target = torch.ops.aten.reshape.default
             if n.op == "placeholder":
                 v = n.meta["val"]
                 examples.append(torch.zeros(v.shape, dtype=v.dtype) if dense else torch.zeros_like(v, device="cpu"))

@@ -28,8 +28,12 @@ import torch.fx as fx
 from torchnative.delegates.base import tensors
 from torchnative.interface import Artifact, Availability, CompileOnly, Runner, Support
 from torchnative.delegates.probe import Probe
-from torchnative.ir import CapturedGraph
+from torchnative.delegates.onnx_export import slice_write
+from torchnative.ir import CapturedGraph, is_weight
+from torchnative.passes.state import SLICE_UPDATE
 
+aten = torch.ops.aten
+_INDEX_PUT = aten.index_put.default
 _HINT = "pip install coremltools==9.0"
 _ELSEWHERE = "Core ML runs models on macOS and iOS only"
 PRECISIONS = ("float16", "float32")
@@ -128,13 +132,14 @@ def describe(payload: bytes) -> dict:
             count(block)
     return {"spec_version": spec.specificationVersion,
             "inputs": [i.name for i in spec.description.input], "outputs": [o.name for o in spec.description.output],
+            "states": [{"name": st.name, "shape": list(st.type.stateType.arrayType.shape)} for st in spec.description.state],
             "ops": ops}
 
 
 class CoreML:
     name = "coreml"
     external_weights = False
-    writes_in_place = False
+    writes_in_place = True  # a state update writes a Core ML state (StateType, iOS 18): mutable on device
     composites: frozenset[str] = frozenset()
     toolchain = ("coremltools",)
     extension = "mlpackage.zip"
@@ -156,6 +161,11 @@ class CoreML:
         return Availability("executes")
 
     def supports(self, node: fx.Node) -> Support:
+        if node.target is SLICE_UPDATE:
+            if node.args[0].op != "placeholder" or not slice_write(node):
+                return Support(False, "a state update is a Core ML state only when it writes a graph input along "
+                                      "one dim by a 1-D integer index")
+            return Support(True)
         if not isinstance(node.target, torch._ops.OpOverload):
             return Support(False, f"{node.target} is not an aten op")
         if _op_name(node.target) not in _registered():
@@ -172,8 +182,14 @@ class CoreML:
         with tempfile.TemporaryDirectory() as tmp, _quiet():
             mlmodel.save(str(Path(tmp) / "model.mlpackage"))
             payload = _zip(Path(tmp) / "model.mlpackage")
+        runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
+        states = _states(graph)
         return Artifact(self.name, payload, {"n_outputs": len(graph.output_roles), "precision": self.precision,
-                                             "compress": self.compress, **describe(payload)})
+                                             "compress": self.compress, **describe(payload),
+                                             # runtime inputs that are states, and outputs that are a state
+                                             "state_inputs": [[n, runtime.index(n)] for n in states],
+                                             "state_outputs": [[k, runtime.index(_state_of(o))] for k, o in
+                                                               enumerate(graph.outputs()) if _state_of(o) in states]})
 
     def load(self, artifact: Artifact) -> Runner:
         if platform.system() != "Darwin":
@@ -182,10 +198,25 @@ class CoreML:
         folder = tempfile.mkdtemp(prefix="torchnative-coreml-")
         model = ct.models.MLModel(str(unpack(artifact.payload, Path(folder))))
         inputs, outputs = artifact.meta["inputs"], artifact.meta["outputs"]
+        named = artifact.meta.get("state_inputs", [])
+        held = {k for _, k in named}
+        placed = dict(artifact.meta.get("state_outputs", []))
 
         def runner(values: list[torch.Tensor], _keep=folder) -> list[torch.Tensor]:
-            got = model.predict({n: t.detach().numpy() for n, t in zip(inputs, values)})
-            return [torch.from_numpy(np.asarray(got[n])) for n in outputs]
+            # The caller's tensors stay the states' truth: written into a Core ML state before the
+            # prediction and read back after (an app keeps the MLState across calls instead)
+            feed = {n: t.detach().numpy() for n, t in zip(inputs, [t for k, t in enumerate(values) if k not in held])}
+            if not named:
+                got = model.predict(feed)
+            else:
+                state = model.make_state()
+                for name, k in named:
+                    state.write_state(name, values[k].detach().numpy())
+                got = model.predict(feed, state=state)
+                for name, k in named:
+                    values[k].copy_(torch.from_numpy(np.asarray(state.read_state(name))))
+            produced = iter(torch.from_numpy(np.asarray(got[n])) for n in outputs)
+            return [values[placed[k]] if k in placed else next(produced) for k in range(len(outputs) + len(placed))]
 
         return runner
 
@@ -195,10 +226,56 @@ class CoreML:
 
         precision = ct.precision.FLOAT16 if self.precision == "float16" else ct.precision.FLOAT32
         with _quiet():
-            exported = graph.to_exported_program(dense=True).run_decompositions({})
+            # a state the graph writes is a mutable buffer of the export: coremltools makes it a state
+            states = frozenset(_states(graph))
+            exported = _indexed_in_full(graph).to_exported_program(dense=True, states=states).run_decompositions({})
+            pipeline = ct.PassPipeline.DEFAULT
+            if states:
+                # its rewrite of a state write that nothing reads after (a KV cache's, read through
+                # the functional twin) fails inserting before an op it removed (coremltools 9.0)
+                pipeline.remove_passes(["common::canonicalize_inplace_pattern"])
             mlmodel = ct.convert(exported, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                                 compute_precision=precision, skip_model_load=True)
+                                 compute_precision=precision, skip_model_load=True, pass_pipeline=pipeline)
             return _compress(mlmodel, self.compress) if self.compress else mlmodel
+
+
+def _indexed_in_full(graph: CapturedGraph) -> CapturedGraph:
+    """The graph with each write at several positions of one dim after whole dims (a prefill's
+    `cache[:, :, positions] = kv`) indexed in every dim up to that one: coremltools 9.0 translates
+    a whole-dim index (None) as a one-position slice assignment, which fails to convert with more
+    positions; with all leading dims indexed it is a scatter."""
+    g = fx.Graph()
+    env: dict = {}
+    for n in graph.gm.graph.nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+        if n.target not in (SLICE_UPDATE, _INDEX_PUT) or not slice_write(n):
+            continue
+        index = list(n.args[1])
+        dim = next(d for d, i in enumerate(index) if i is not None)
+        positions = index[dim].meta["val"].shape[0]
+        if positions == 1 or dim == 0:
+            continue
+        shape = list(n.args[0].meta["val"].shape[:dim]) + [positions]
+        with g.inserting_before(env[n]):
+            full = [g.call_function(aten.expand.default, (g.call_function(aten.view.default, (
+                g.call_function(aten.arange.default, (size,), {"dtype": torch.int64}),
+                [size if k == d else 1 for k in range(dim + 1)])), shape)) for d, size in enumerate(shape[:-1])]
+            full.append(g.call_function(aten.expand.default, (env[index[dim]], shape)))
+        env[n].args = (env[n].args[0], full, *env[n].args[2:])
+    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles,
+                         graph.constants, writes=graph.writes)
+
+
+def _states(graph: CapturedGraph) -> list[str]:
+    """Names of the placeholders the graph writes in place (a KV cache), in order."""
+    return list(dict.fromkeys(n.args[0].name for n in graph.gm.graph.nodes if n.target is SLICE_UPDATE))
+
+
+def _state_of(n: fx.Node) -> str | None:
+    """The state a graph output is: the placeholder itself or its in-place write."""
+    while n.target is SLICE_UPDATE:
+        n = n.args[0]
+    return n.name if n.op == "placeholder" else None
 
 
 def _op_name(op: torch._ops.OpOverload) -> str:

@@ -37,19 +37,6 @@ _BATCH_NORM = ("_native_batch_norm_legit_no_training.default", "_native_batch_no
 _DTYPES = {torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.int8, torch.uint8}
 
 
-def _dense(graph: CapturedGraph) -> CapturedGraph:
-    """The graph with every view a reshape: IREE's tensors have no strides, and a decomposition
-    (attention's) may lay out what a view reads otherwise than eager did."""
-    g = fx.Graph()
-    env: dict = {}
-    for n in graph.gm.graph.nodes:
-        env[n] = g.node_copy(n, env.__getitem__)
-        if n.target is torch.ops.aten.view.default:
-            env[n].target = torch.ops.aten.reshape.default
-    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles, graph.constants,
-                        writes=graph.writes)
-
-
 def _ops(names: tuple[str, ...]) -> list:
     return [getattr(getattr(torch.ops.aten, n.split(".")[0]), n.split(".")[1]) for n in names]
 
@@ -183,7 +170,7 @@ class Iree:
     def compile(self, graph: CapturedGraph) -> Artifact:
         from iree.compiler import compile_str
 
-        exported = _decompose(_dense(graph).to_exported_program(dense=True), self.decompose)
+        exported = _decompose(graph.to_exported_program(dense=True), self.decompose)
         order, weights = _arguments(exported)
         vmfb = compile_str(_mlir(exported), target_backends=[self.backend], input_type="torch",
                            extra_args=list(self.flags))
