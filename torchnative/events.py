@@ -111,6 +111,7 @@ class Stats:
     disk_cache: Counter = field(default_factory=Counter)  # compiled partitions: hits, misses, writes, corrupt
     compiling_runs: int = 0               # graph runs on eager while their program compiled in the background
     not_compiled: Counter = field(default_factory=Counter)  # graph runs left on eager by the cost rules, by rule
+    symbolic_graphs: int = 0              # graphs made to stand for every size (torchnative.sizes)
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -120,7 +121,7 @@ class Stats:
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
                 "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs,
-                "not_compiled": dict(self.not_compiled)}
+                "not_compiled": dict(self.not_compiled), "symbolic_graphs": self.symbolic_graphs}
 
 
 STATS = Stats()

@@ -64,6 +64,9 @@ class Delegate(Protocol):
     # tensor itself; the partitioner leaves them to eager for a delegate that does not
     writes_in_place: bool
     calibrates: bool  # compile wants graph.samples: activation ranges come from real values
+    # compiles graphs whose sizes vary (torchnative.sizes) for every size; the partitioner leaves
+    # the nodes whose sizes vary to eager for a delegate that does not say it does
+    dynamic: bool
     toolchain: tuple[str, ...]  # the packages its artifacts are made and run with (cache keys, manifests)
     extension: str  # a bundle's file name ending for its artifacts ("" when they cannot be saved)
 

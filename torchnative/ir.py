@@ -10,6 +10,8 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
+from torchnative.sizes import SIZES, dynamic_dims, export_sized, symbolic
+
 # meta a pass derives and lowering depends on (part of the key): the value's last dim repeats its
 # first half (passes.fuse.mark_halves), so a fused RoPE kernel may read that half alone
 HALVES = "repeats_halves"
@@ -94,14 +96,15 @@ class CapturedGraph:
         module buffers, which export lifts into weights the delegate may prepack; example inputs
         are strided like the real ones, since a view in the graph may only be valid on those —
         unless `dense`: for a delegate whose tensors have no strides (Core ML), which is given
-        contiguous inputs and where a view is a reshape. `states`: placeholders that become
+        contiguous inputs and where a view is a reshape. A graph whose sizes vary (torchnative.sizes)
+        is exported for every size its rules allow (`dynamic_shapes`). `states`: placeholders that become
         buffers (zeros) the graph writes in place: export's mutable buffers (Core ML's states);
         outputs that are those buffers are left out."""
         root = torch.nn.Module()
         g = fx.Graph()
         env: dict = {}
-        examples = []
-        for n in self.gm.graph.nodes:
+        examples, dynamic, roots = [], [], {}
+        for n in symbolic(self.gm).graph.nodes:  # integers that follow a symbol computed from sizes
             if n.op == "placeholder" and (n.name in self.constants or n.name in states):
                 v = n.meta["val"]
                 root.register_buffer(n.name, self.constants[n.name].detach() if n.name in self.constants
@@ -121,9 +124,10 @@ class CapturedGraph:
             if n.op == "placeholder":
                 v = n.meta["val"]
                 examples.append(torch.zeros(v.shape, dtype=v.dtype) if dense else torch.zeros_like(v, device="cpu"))
+                dynamic.append(dynamic_dims(n, roots))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.export.export(fx.GraphModule(root, g), tuple(examples))
+            return export_sized(fx.GraphModule(root, g), tuple(examples), tuple(dynamic) if roots else None)
 
     @property
     def key(self) -> str:
@@ -134,7 +138,7 @@ class CapturedGraph:
                 val = n.meta.get("val")
                 meta = (tuple(val.shape), tuple(val.stride()), val.dtype, n.meta.get(HALVES, False)) \
                     if isinstance(val, torch.Tensor) else None
-                h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta)).encode())
+                h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta, n.meta.get(SIZES))).encode())
             h.update(repr((self.input_roles, self.output_roles, self.writes)).encode())
             self._key = h.hexdigest()
         return self._key

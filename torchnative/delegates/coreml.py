@@ -144,6 +144,7 @@ class CoreML:
     toolchain = ("coremltools",)
     extension = "mlpackage.zip"
     calibrates = False
+    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
 
     def __init__(self, precision: str = "float16", compress: str | None = None):
         if precision not in PRECISIONS:

@@ -5,6 +5,7 @@ import torch.fx as fx
 
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
+from torchnative.sizes import symbolic
 
 
 class Eager:
@@ -15,6 +16,7 @@ class Eager:
     toolchain = ("torch",)
     extension = "pt2"
     calibrates = False
+    dynamic = True  # torchnative.sizes.symbolic computes the sizes the graph names from its inputs
 
     def available(self) -> Availability:
         return Availability("executes")
@@ -28,7 +30,7 @@ class Eager:
         return Artifact(self.name, graph.gm.code.encode(), {"graph": graph})
 
     def load(self, artifact: Artifact) -> Runner:
-        forward = artifact.meta["graph"].gm.forward
+        forward = symbolic(artifact.meta["graph"].gm).forward  # integers that follow a symbol from sizes
         return lambda inputs: forward(*inputs)
 
 

@@ -125,6 +125,7 @@ class Iree:
     toolchain = ("iree-base-compiler", "iree-base-runtime")
     extension = "bin"
     calibrates = False
+    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
 
     def __init__(self, name: str, backend: str, driver: str, flags: tuple[str, ...] = (), decompose: tuple[str, ...] = ()):
         """`decompose`: ops this target's code generation lacks, besides BatchNorm's."""

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._decomp import decomposition_table
 
 from torchnative.ir import CapturedGraph
+from torchnative.sizes import exported_ranges
 from torchnative.passes.fuse import gelu_tanh_op, quantized_mm_op, rms_norm_op, rope_op
 from torchnative.recording.ops import DECOMPOSITIONS, KEPT_WHOLE
 
@@ -99,12 +100,12 @@ def _translations() -> dict:
     def rope(x, cos, sin):
         # the fusion proved cos and sin repeat their first half; ONNX's kernel reads that half,
         # [batch, positions, half] (cos is [batch or 1, 1, positions, head_size])
-        batch, _, positions, size = x.shape
+        size = x.shape[3]
         ints = lambda *v: op.Constant(value_ints=list(v))  # noqa: E731
 
         def half(t):
             t = op.Squeeze(op.Slice(t, ints(0), ints(size // 2), ints(3)), ints(1))
-            return op.Expand(t, ints(batch, positions, size // 2))
+            return op.Expand(t, shape(dim(x, 0), dim(x, 2), size // 2))
         return op.RotaryEmbedding(x, half(cos), half(sin))
 
     def quantized_mm(x, q, scale, bias=None, bits: int = 4):
@@ -128,39 +129,47 @@ def _translations() -> dict:
         if dropout_p != 0.0:
             return torchlib_nn.aten__scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask, scale)
-        batch, heads, length, size = query.shape
-        kv_heads, positions = key.shape[1], key.shape[2]
-        if kv_heads != heads:  # grouped-query: query head h reads KV head h // (heads / kv_heads)
+        # sizes are ints, or symbolic dims when the graph's sizes vary (torchnative.sizes): dim()
+        # reads those off the tensor at run time
+        batch, heads, length, size = (dim(query, d) for d in range(4))
+        kv_heads, positions = key.shape[1], dim(key, 2)
+        if kv_heads != query.shape[1]:  # grouped-query: query head h reads KV head h // (heads / kv_heads)
             def repeat(t):
-                t = op18.Expand(op18.Unsqueeze(t, ints([2])), ints([batch, kv_heads, heads // kv_heads, positions, size]))
-                return op18.Reshape(t, ints([batch, heads, positions, -1]))
+                t = op18.Expand(op18.Unsqueeze(t, ints([2])), shape(batch, kv_heads, heads // kv_heads, positions, size))
+                return op18.Reshape(t, shape(batch, heads, positions, -1))
             key, value = repeat(key), repeat(value)
         scale = 1.0 / math.sqrt(size) if scale is None else scale
         # scaled after the product, as torch's CPU kernel does (before it, OpInfo's large samples differ by 1e-5)
         scores = op18.Mul(op18.MatMul(query, op18.Transpose(key, perm=[0, 1, 3, 2])), op18.Constant(value_float=scale))
-        if is_causal:
+        if is_causal and isinstance(length, int) and isinstance(positions, int):
             above = numpy.triu(numpy.full((length, positions), -numpy.inf, numpy.float32), 1)
             scores = op18.Add(scores, op18.Constant(value=onnx.numpy_helper.from_array(above)))
+        elif is_causal:
+            minus = onnx.numpy_helper.from_array(numpy.array([-numpy.inf], numpy.float32))
+            scores = op18.Add(scores, op18.Trilu(op18.ConstantOfShape(shape(length, positions), value=minus),
+                                                 ints([1]), upper=1))
         if attn_mask is not None:
             scores = op18.Where(attn_mask, scores, op18.Constant(value_float=-math.inf)) \
                 if attn_mask.dtype == onnx.TensorProto.BOOL else op18.Add(scores, attn_mask)
         out = op18.MatMul(op18.Softmax(scores, axis=-1), value)
         # the logsumexp autograd would save is never read (supports() declines the node when it
         # is): a placeholder of its shape
-        return out, op18.Expand(op18.Constant(value_float=0.0), ints([batch, heads, length]))
+        return out, op18.Expand(op18.Constant(value_float=0.0), shape(batch, heads, length))
 
     def index_put(data, indices, values, accumulate: bool = False):
         # torchlib's moves the indexed dim first and back: two transposes of the whole cache per
         # write, 15 % of a GPT-2 decode step. ScatterND with an index tuple per leading position
         # writes whole trailing slices where they are
-        dim = next((d for d, i in enumerate(indices) if i is not None), None)
-        if dim is None or sum(i is not None for i in indices) != 1 or len(indices[dim].shape) != 1:
+        at = next((d for d, i in enumerate(indices) if i is not None), None)
+        if at is None or sum(i is not None for i in indices) != 1 or len(indices[at].shape) != 1:
             return torchlib_core.aten_index_put(data, indices, values, accumulate)
-        lead = [*data.shape[:dim], indices[dim].shape[0]]
+        lead = [*data.shape[:at], indices[at].shape[0]]
+        if not all(isinstance(n, int) for n in [*lead, *data.shape[at + 1:]]):  # sizes that vary: a grid of none
+            return torchlib_core.aten_index_put(data, indices, values, accumulate)
         grid = numpy.stack(numpy.meshgrid(*(numpy.arange(n) for n in lead), indexing="ij"), -1)[..., :-1]
         where = op18.Concat(op18.Constant(value=onnx.numpy_helper.from_array(grid.astype(numpy.int64))),
-                            op18.Expand(op18.Reshape(indices[dim], ints([1] * dim + [-1, 1])), ints([*lead, 1])), axis=-1)
-        return op18.ScatterND(data, where, op18.Expand(values, ints([*lead, *data.shape[dim + 1:]])),
+                            op18.Expand(op18.Reshape(indices[at], ints([1] * at + [-1, 1])), ints([*lead, 1])), axis=-1)
+        return op18.ScatterND(data, where, op18.Expand(values, ints([*lead, *data.shape[at + 1:]])),
                               reduction="add" if accumulate else "none")
 
     # gradients the exporter leaves undecomposed though torch's table has them (each has a
@@ -205,6 +214,17 @@ def _translations() -> dict:
         return moments(x, dim, correction, keepdim)
 
     ints = lambda v: op18.Constant(value_ints=v)  # noqa: E731
+
+    def dim(x, d: int):
+        """x's size d: an int, or a 1-element tensor read at run time when the size varies."""
+        n = x.shape[d]
+        return n if isinstance(n, int) else op18.Slice(op18.Shape(x), ints([d]), ints([d + 1]))
+
+    def shape(*sizes):
+        """A shape of ints and sizes read at run time (dim)."""
+        if all(isinstance(n, int) for n in sizes):
+            return ints(list(sizes))
+        return op18.Concat(*[ints([n]) if isinstance(n, int) else n for n in sizes], axis=0)
     import onnxscript
     from onnxscript import ir
     from onnxscript import opset18 as op18  # torchlib's opset: up-converts to the graph's
@@ -287,15 +307,18 @@ def translated(op: torch._ops.OpOverload) -> bool:
         (op in KEPT_WHOLE and op not in _WRONG_DECOMPOSITIONS)
 
 
-def to_onnx(graph: CapturedGraph):
+def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
     """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
     constants are initializers named like their placeholders. Opset 23 where a composite needs
-    its kernels, else the exporter's default (20): plain graphs ran 1-2 % slower at 23."""
+    its kernels, else the exporter's default (20): plain graphs ran 1-2 % slower at 23. `ranges`
+    gets the ranges of the symbols the export narrowed (torchnative.sizes.exported_ranges)."""
     nodes = graph.gm.graph.nodes
     composite = any(n.target in _COMPOSITE_OPS for n in nodes)
     needed = {n.target for n in nodes if n.target in _OURS and _OURS[n.target](n)}
     table = {op: fn for op, fn in _translations().items() if op in needed or op not in _OURS}
     exported = graph.to_exported_program()
+    if ranges is not None:
+        ranges.update(exported_ranges(exported, graph.gm))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):

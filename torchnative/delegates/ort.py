@@ -75,6 +75,7 @@ class OnnxRuntime:
     toolchain = ("onnxruntime", "onnx", "onnxscript")
     extension = "onnx"
     calibrates = False
+    dynamic = True  # the export's dynamic_shapes become the ONNX model's symbolic dims
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
@@ -117,13 +118,16 @@ class OnnxRuntime:
         outputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch."))
                    for n in graph.outputs()]
         graph, written = _functional_writes(graph)
-        model = to_onnx(graph)
+        ranges: dict = {}
+        model = to_onnx(graph, ranges)
         recipe = low_bit_layouts(model)
         made = laid_out(recipe, graph.constants)
         if made:
             _add_initializers(model, made)
         external = _externalize(model, {**graph.constants, **made})
         meta = {"n_outputs": len(outputs), "external": sorted(external)}
+        if ranges:
+            meta["ranges"] = ranges  # of the sizes that vary (torchnative.sizes): what the model takes
         if recipe:
             meta["low_bit"] = recipe
         if written:

@@ -80,6 +80,7 @@ class Qnn:
     writes_in_place = False
     composites: frozenset[str] = frozenset()
     calibrates = True  # wants graph.samples: activation ranges come from real values
+    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
     toolchain = ("onnxruntime", "onnxruntime-qnn", "onnx", "onnxscript")
     extension = "onnx"
 

@@ -64,6 +64,7 @@ class Xnnpack:
     toolchain = ("executorch",)
     extension = "pte"
     calibrates = False
+    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
 
     def available(self) -> Availability:
         if importlib.util.find_spec("executorch") is None:

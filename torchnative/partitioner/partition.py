@@ -14,6 +14,7 @@ import networkx as nx
 import torch.fx as fx
 
 from torchnative.interface import Delegate, Support
+from torchnative.sizes import SIZES
 
 EAGER = "eager"
 
@@ -72,6 +73,8 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
                 verdict = Support(False, _SCALAR)
             elif writes and not getattr(d, "writes_in_place", False):
                 verdict = Support(False, _IN_PLACE)
+            elif not getattr(d, "dynamic", False) and _varies(n):
+                verdict = Support(False, _VARIES)
             else:
                 verdict = d.supports(n)
             if verdict:
@@ -88,6 +91,14 @@ _IN_PLACE = "a state update written in place into the caller's tensor (a delegat
 
 _SCALAR = ("reads a Python float that changes between calls (a scalar input of the graph): delegates compile "
            "their scalars in, so eager runs it")
+
+
+_VARIES = ("its size varies between calls (a graph that stands for every size, torchnative.sizes): this "
+           "delegate compiles static shapes only")
+
+
+def _varies(n: fx.Node) -> bool:
+    return SIZES in n.meta or any(SIZES in a.meta for a in n.all_input_nodes)
 
 
 def _reads_scalar(n: fx.Node) -> bool:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from torchnative.ir import CapturedGraph, OutputRole, Role, is_weight
 from torchnative.partitioner.partition import Partition
+from torchnative.sizes import argument_symbols, shape_rules
 
 
 @dataclass
@@ -26,6 +27,20 @@ def written_back(parent: CapturedGraph) -> set[fx.Node]:
     return {n for n, role in zip(outputs, parent.output_roles) if role == "state_update"} - regular
 
 
+def _carriers(parent: CapturedGraph, nodes: tuple[fx.Node, ...], reads: list[fx.Node]) -> list[fx.Node]:
+    """Inputs of the parent that size a symbol the partition's integers follow and none of its
+    own inputs has (an `arange(L)` whose partition reads no tensor of length L): the partition
+    takes them too, to read the symbol off their size (torchnative.sizes.symbolic)."""
+    missing = argument_symbols(list(nodes)) - {r.symbol for n in reads for r in shape_rules(n).values()}
+    carriers = []
+    for p in parent.placeholders():
+        sized = {r.symbol for r in shape_rules(p).values()} & missing
+        if sized:
+            carriers.append(p)
+            missing -= sized
+    return carriers
+
+
 def extract(parent: CapturedGraph, part: Partition, inputs: list[torch.Tensor], only_written_back: set[fx.Node],
             samples: list[dict[fx.Node, object]] | None = None) -> Subgraph:
     """`inputs`: the parent's placeholders' values (its weights become the subgraph's constants);
@@ -38,6 +53,7 @@ def extract(parent: CapturedGraph, part: Partition, inputs: list[torch.Tensor], 
         for u in n.all_input_nodes:
             if u not in inside and u not in reads:
                 reads.append(u)
+    reads += _carriers(parent, part.nodes, reads)
     outputs = [n for n in part.nodes if any(user not in inside for user in n.users)]
     g = fx.Graph()
     env: dict = {}

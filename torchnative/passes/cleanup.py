@@ -5,6 +5,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.ir import CapturedGraph
+from torchnative.sizes import SIZES
 
 
 def pure(n: fx.Node) -> bool:
@@ -23,7 +24,8 @@ def cse(graph: CapturedGraph) -> CapturedGraph:
     for n in list(g.nodes):
         if n.op != "call_function" or not pure(n):
             continue
-        key = (n.target, repr(n.args), repr(sorted(n.kwargs.items())))
+        # two ops alike at this size may follow other rules at another (torchnative.sizes)
+        key = (n.target, repr(n.args), repr(sorted(n.kwargs.items())), repr(n.meta.get(SIZES)))
         first = seen.setdefault(key, n)
         if first is not n and not (n in escaping and first in escaping):
             n.replace_all_uses_with(first)

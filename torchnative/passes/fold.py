@@ -13,6 +13,7 @@ from torchnative import events
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.cleanup import dce, pure
 from torchnative.passes.derived import Derived, add_constant
+from torchnative.sizes import SIZES
 
 # a folded value may be larger than what it is computed from (a mask from `arange`), up to this
 _GROWTH = 1 << 20  # bytes
@@ -23,7 +24,7 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def _foldable(n: fx.Node, known: dict[fx.Node, set[int]]) -> bool:
-    if n.op != "call_function" or not pure(n):
+    if n.op != "call_function" or not pure(n) or SIZES in n.meta:  # a value whose size varies is no constant
         return False
     if not isinstance(n.target, torch._ops.OpOverload) and n.target is not operator.getitem:
         return False

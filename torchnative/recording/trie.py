@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.recording.meta import meta_tensor
+from torchnative.sizes import Flat, meta_ints
 from torchnative.ir import CapturedGraph, Role
 
 INPUT = "input"
@@ -97,8 +98,48 @@ class Signature:
     state: tuple
 
 
-def build_graph(node: TrieNode, sig: Signature) -> CapturedGraph:
-    """The CapturedGraph (Core ATen fx.GraphModule + roles) for the path ending at `node`."""
+def flatten(node: TrieNode, sig: Signature) -> Flat:
+    """The graph recorded up to `node` as its integers and everything else (torchnative.sizes),
+    without building it: positions are (path index, "args" | "kwargs", …) for arguments and
+    (path index, "input" | "out", output, "shape" | "stride" | "offset", …) for metadata."""
+    structure: list = [("sig", sig.outputs, sig.state)]
+    ints: list[int] = []
+    where: list[tuple] = []
+
+    def leaf(x: Any, at: tuple) -> None:
+        tp = type(x)
+        if tp is int:
+            structure.append(0)
+            ints.append(x)
+            where.append(at)
+        elif tp is Ref:
+            structure.append(("%", x.slot))
+        elif tp is tuple:
+            structure.append((tuple, len(x)))
+            for i, v in enumerate(x):
+                leaf(v, (*at, i))
+        else:  # None, a string, a tagged scalar, a dtype, a device, a memory format
+            structure.append(x)
+
+    for k, n in enumerate(node.path()):
+        structure.append((n.op, n.role))
+        for i, a in enumerate(n.args):
+            leaf(a, (k, "args", i))
+        for name, v in n.kwargs:
+            structure.append(name)
+            leaf(v, (k, "kwargs", name))
+        kind = "input" if n.op == INPUT else "out"
+        for i, m in enumerate(n.out_metas):
+            if m is None:
+                structure.append(None)
+            else:
+                meta_ints(m, structure, ints, where, (k, kind, i))
+    return Flat(structure, ints, where)
+
+
+def build_graph(node: TrieNode, sig: Signature, made: list | None = None) -> CapturedGraph:
+    """The CapturedGraph (Core ATen fx.GraphModule + roles) for the path ending at `node`.
+    `made` gets, per path index, the fx node made for it and the nodes of its outputs."""
     g = fx.Graph()
     env: dict = {}
     roles: list[Role] = []
@@ -112,6 +153,8 @@ def build_graph(node: TrieNode, sig: Signature) -> CapturedGraph:
             position[slot] = len(roles)
             roles.append("state" if slot in state_inputs else n.role)
             env[slot] = p
+            if made is not None:
+                made.append((p, [p]))
             continue
         args = tuple(_decode(a, env) for a in n.args)
         kwargs = {k: _decode(v, env) for k, v in n.kwargs}
@@ -119,15 +162,21 @@ def build_graph(node: TrieNode, sig: Signature) -> CapturedGraph:
         call.meta["stack"] = n.stack
         if n.sequence:
             call.meta["val"] = [None if m is None else meta_tensor(m) for m in n.out_metas]
+            items = []
             for i, (slot, m) in enumerate(zip(n.out_slots, n.out_metas)):
+                item = None
                 if m is not None:
                     item = g.call_function(operator.getitem, (call, i))
                     item.meta["val"] = meta_tensor(m)
                     item.meta["stack"] = n.stack
                     env[slot] = item
+                items.append(item)
         else:
             call.meta["val"] = meta_tensor(n.out_metas[0])
             env[n.out_slots[0]] = call
+            items = [call]
+        if made is not None:
+            made.append((call, items))
     outs = [env[s] for s in sig.outputs] + [env[s] for _, s in sig.state]
     g.output(outs)
     g.eliminate_dead_code()

@@ -18,6 +18,7 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Artifact
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER
+from torchnative.sizes import SIZES, dense_order, dense_strides
 
 
 class CapturedOpError(RuntimeError):
@@ -48,9 +49,23 @@ class Step:
     artifact: Artifact | None = None  # kept only for a program built to be saved (a bundle)
 
 
-def _eager_layout(value: torch.Tensor, shape: torch.Size, want: tuple) -> torch.Tensor:
+def _layout(n: fx.Node) -> tuple:
+    """The layout eager gives a value: its shape and strides, or, for a value whose size varies
+    (torchnative.sizes), None and the order its dims are dense in (None too when it is a view)."""
+    val = n.meta["val"]
+    if SIZES not in n.meta:
+        return val.shape, val.stride()
+    return None, dense_order(tuple(val.shape), val.stride())
+
+
+def _eager_layout(value: torch.Tensor, shape: torch.Size | None, want: tuple | None) -> torch.Tensor:
     """A delegate's output with the strides eager would have given it (`want`, for a value of
-    `shape`): later eager ops (view after permute of SDPA's output) and the user can depend on them."""
+    `shape`; with no shape, `want` is the order of dims eager lays it out densely in): later eager
+    ops (view after permute of SDPA's output) and the user can depend on them."""
+    if shape is None:
+        if want is None:
+            return value
+        shape, want = value.shape, dense_strides(tuple(value.shape), want)
     stride = value.stride()
     if stride == want or value.numel() <= 1 or 0 in want:
         return value  # an expanded layout (stride 0) cannot be written into: dense values stay dense
@@ -61,13 +76,16 @@ def _eager_layout(value: torch.Tensor, shape: torch.Size, want: tuple) -> torch.
 
 class Program:
     def __init__(self, captured: CapturedGraph, graph: CapturedGraph, steps: list[Step], extra: list[torch.Tensor],
-                 baked: list[int], inputs: list[torch.Tensor], declined: tuple = ()):
+                 baked: list[int], inputs: list[torch.Tensor], declined: tuple = (), ranges: dict | None = None):
         """`captured`: the graph as recorded, what a program for other delegates is built from;
         `graph`: as the passes prepared it, which `steps` run; `extra`: constants the passes
         computed, appended to every call's inputs; `baked`: the indices of `inputs` (the
         prepared graph's, `extra` included) that a delegate baked in or a pass computed from;
-        `declined`: (op, delegate, reason) of every node a delegate declined."""
+        `declined`: (op, delegate, reason) of every node a delegate declined; `ranges`: symbol ->
+        the range its delegates' artifacts take, where narrower than the graph's rules say
+        (torchnative.sizes)."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
+        self.ranges = ranges or {}
         self.baked = [(i, weakref.ref(inputs[i]), baked_state(inputs[i])) for i in baked]
         # their memory, held: another tensor given it (a new weight of the same size, after `p.data =`
         # freed this one's) would pass a check of its address
@@ -107,7 +125,7 @@ class Program:
             at.update((n, len(at)) for n in s.outputs)
         self._args = [[at[n] for n in s.inputs] for s in self.steps]
         self._results = [at[n] for n in self._outputs]
-        self._layouts = [[(n.meta["val"].shape, n.meta["val"].stride()) for n in s.outputs] for s in self.steps]
+        self._layouts = [[_layout(n) for n in s.outputs] for s in self.steps]
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
         if len(inputs) != len(self._placeholders):  # values are found by position: a list of another length misplaces all

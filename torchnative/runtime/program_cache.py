@@ -23,6 +23,7 @@ from torchnative.passes.pin import pin
 from torchnative.runtime import calibration
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.program import Program, baked_state
+from torchnative.runtime.templates import forget as forget_templates, skeleton, template_for
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -52,7 +53,7 @@ _first: dict = {}  # (graph key, delegates) -> its inputs' states at its first r
 # eager, and says why. Graphs of one op sequence at one size (a model's repeated layers) count once.
 SIZE_LIMIT = 8
 _sizes: dict = {}  # op sequence (with inputs' ranks and dtypes) -> the input sizes recorded with it
-_skeletons: dict = {}  # graph key -> its op sequence
+_counted: set = set()  # graphs (trie nodes) whose sizes _sizes holds
 
 # compiles off the critical path: one at a time (two cores: a second compile would take the
 # call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need.
@@ -98,27 +99,21 @@ class Found(NamedTuple):
 
 def _sized(node: TrieNode) -> bool:
     """Record node's graph under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
-    skeleton = _skeletons.get(node)
-    if skeleton is None:
-        path = node.path()
-        inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
-        skeleton = _skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
-                                       tuple(m and (len(m[0]), m[3]) for m in inputs))
-        sizes = tuple(m and m[0] for m in inputs)
-        seen = _sizes.setdefault(skeleton, set())
-        seen.add(sizes)
+    seq = skeleton(node)
+    seen = _sizes.setdefault(seq, set())
+    if node not in _counted:
+        _counted.add(node)
+        seen.add(tuple(m and m[0] for m in (n.out_metas[0] for n in node.path() if n.op == INPUT)))
         if len(seen) == SIZE_LIMIT + 1:
             warnings.warn(f"torchnative: a graph's sizes change between calls ({SIZE_LIMIT + 1} input sizes of one "
-                          f"op sequence of {len(skeleton[0])} ops): sizes not compiled yet run on eager; "
+                          f"op sequence of {len(seq[0])} ops): sizes not compiled yet run on eager; "
                           "torchnative.explain() shows which", stacklevel=2)
-    return len(_sizes[skeleton]) > SIZE_LIMIT
+    return len(seen) > SIZE_LIMIT
 
 
-def _varying(node: TrieNode) -> str:
-    return (f"sizes vary: this graph's op sequence was recorded with {len(_sizes[_skeletons[node]])} input sizes "
-            f"(more than {SIZE_LIMIT}; its sizes change between calls, e.g. a KV cache that grows), and a "
-            f"size compiled once would not repay its compile; it runs on eager. A static cache "
-            f"(generate(..., cache_implementation='static')) keeps one size")
+_VARYING = (f"sizes vary: this graph's op sequence was recorded with more than {SIZE_LIMIT} input sizes (its "
+            f"sizes change between calls, e.g. a KV cache that grows) in a way no rule of its inputs' sizes "
+            f"describes (torchnative.sizes), and a size compiled once would not repay its compile; it runs on eager")
 
 
 def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
@@ -127,14 +122,20 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     version), building it on a miss. Until the graph has run `compile_after` times it runs on
     eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
     every decode step) would never repay it. With `background`, a miss starts the build on the
-    background thread and the graph runs on eager's program until the build is done."""
+    background thread and the graph runs on eager's program until the build is done. A graph
+    whose op sequence was recorded at other sizes runs the program of the template it matches
+    (runtime/templates.py), built at once: sizes that changed once change again."""
+    graph = None  # what a miss builds: the recorded graph, or the template it matches
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
     elif delegates != (eager,):
-        if _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
+        template = template_for(node, sig)
+        if template is not None:
+            node, graph, compile_after = template, template.graph, 1
+        elif _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
             events.STATS.not_compiled["sizes vary"] += 1
-            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_varying(node))
+            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_VARYING)
         if compile_after > 1:
             seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
             if seen == 1:
@@ -166,12 +167,15 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     candidates[:] = [p for p in candidates if not p.stale()]
     if background and delegates != (eager,) and not calibration.active():
         if key not in _building:
-            job = _submit(build_program, build_graph(node, sig), delegates, list(inputs), quantize,
+            job = _submit(build_program, graph or build_graph(node, sig), delegates, list(inputs), quantize,
                           calibration_sets=calibration.sets((node, sig)))
             _building[key] = (job, list(inputs), [_state(t) for t in inputs])
         events.STATS.compiling_runs += 1
         return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
-    p = build_program(build_graph(node, sig), delegates, inputs, quantize, calibration_sets=calibration.sets((node, sig)))
+    p = build_program(graph or build_graph(node, sig), delegates, inputs, quantize,
+                      calibration_sets=calibration.sets((node, sig)))
+    if graph is not None:
+        node.narrow(p.ranges)
     candidates.append(p)
     events.STATS.graphs_built += 1
     return Found(p, False, False)
@@ -240,7 +244,8 @@ def clear_caches() -> None:
     _runs.clear()
     _first.clear()
     _sizes.clear()
-    _skeletons.clear()
+    _counted.clear()
+    forget_templates()
     _building.clear()
     calibration.forget()
     forget_recordings()

@@ -36,6 +36,7 @@ class Candle:
     toolchain = ("candle-nn",)
     extension = "bin"
     calibrates = False
+    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
 
     def __init__(self, name: str, quant: str | None = None):
         self.name, self.quant = name, quant

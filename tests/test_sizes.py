@@ -1,0 +1,151 @@
+"""Sizes that vary become symbols (torchnative.sizes, runtime/templates.py): a graph recorded at
+two sizes is fitted into rules, confirmed by a third, and one program compiled for it runs every
+size whose graph follows every rule — equal to eager at each; a size that breaks a rule (out of
+range, two inputs no longer related as before) is a graph of its own, still exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import assert_same
+from torchnative import models, sizes
+from torchnative.recording.trie import flatten
+from torchnative.runtime import session
+from torchnative.runtime.program_cache import clear_caches, programs
+from torchnative.runtime.templates import annotated
+
+
+class Positional(torch.nn.Module):
+    """Integers from its input's length everywhere: a factory (arange), views, a slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Embedding(512, 16)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        n = x.shape[1]
+        h = self.proj(x + self.pos(torch.arange(n)))
+        h = h.view(1, n, 4, 4).transpose(1, 2).reshape(1, 4, n * 4)
+        return torch.tanh(h[:, :, : 2 * n]) * mask[:, None, : 2 * n]
+
+
+def _inputs(n: int, m: int | None = None) -> tuple:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(1, n, 16, generator=g), torch.rand(1, 2 * (m or n), generator=g)
+
+
+def _compiled(delegate: str = "ort") -> list:
+    return [p for p in programs() if any(d == delegate for d, _ in p.partitions)]
+
+
+def _recorded(monkeypatch, fn, *args) -> list[tuple]:
+    """(trie node, signature) of each graph `fn` records."""
+    seen = []
+    real = session.program_for
+    monkeypatch.setattr(session, "program_for", lambda node, sig, *a, **k: seen.append((node, sig)) or real(node, sig, *a, **k))
+    with torch.no_grad(), torchnative.capture(["eager"]):
+        out = fn(*args)  # held: a result nobody holds is never computed
+    monkeypatch.undo()
+    assert out is not None
+    return seen
+
+
+def test_fit_finds_the_rules_and_match_checks_every_one(monkeypatch):
+    model = Positional()
+    (a,), (b,), (c,), (d,) = (_recorded(monkeypatch, model, *_inputs(n)) for n in (5, 9, 13, 1))
+    found = sizes.fit(flatten(*a), flatten(*b))
+    assert found is not None and len(found.defs) == 1  # x's length; the mask's is twice it
+    assert [found.match(flatten(*g)) for g in (c, b, a)] == [[13], [9], [5]]
+    assert found.match(flatten(*d)) is None  # below the symbol's range (sizes 0 and 1 are specialized)
+    (broken,) = _recorded(monkeypatch, model, *_inputs(13, 20))  # the mask no longer twice x's length
+    assert found.match(flatten(*broken)) is None
+    # b stands for every size: its integers computed from its inputs' sizes, it runs any of them
+    graph = annotated(*b, found, flatten(*b))
+    gm = sizes.symbolic(graph.gm)
+    assert any(n.target is torch.ops.aten.sym_size.int for n in gm.graph.nodes)
+    assert any(n.target is torch.ops.aten.arange.start_step and isinstance(n.args[1], torch.fx.Node) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("delegate", ["ort", "xnnpack"])
+def test_one_program_runs_every_size_and_equals_eager(delegate):
+    """ort compiles the template for every size; XNNPACK compiles static shapes only, so the
+    template's nodes whose sizes vary run on eager, with that reason."""
+    model = Positional()
+    torchnative.accelerate(model, delegates=[delegate])
+    clear_caches()
+    torchnative.reset_stats()
+    expected = Positional()
+    expected.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for n in (5, 9, 13, 40, 9, 101, 5):
+            for _ in range(2):
+                assert_same(model(*_inputs(n)), expected(*_inputs(n)))
+    stats = torchnative.stats()
+    assert stats["symbolic_graphs"] == 1 and not stats["not_compiled"] and not stats["fallbacks"]
+    (symbolic,) = [p for p in programs() if sizes.is_symbolic(p.graph.gm)]
+    if delegate == "xnnpack":
+        assert all(d == "eager" for d, _ in symbolic.partitions)
+        assert any(d == "xnnpack" and "size varies between calls" in why for _, d, why in symbolic.declined)
+    else:
+        assert symbolic.partitions == (("ort", len(symbolic.graph.op_nodes())),)
+        # the first two sizes, each compiled at its second run, and the template their fit made,
+        # compiled when the third size confirmed it
+        assert len(_compiled()) == 3
+
+
+def test_a_size_that_breaks_a_rule_is_a_graph_of_its_own_and_stays_exact():
+    model = Positional()
+    torchnative.accelerate(model, delegates=["ort"])
+    clear_caches()
+    torchnative.reset_stats()
+    expected = Positional()
+    expected.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for n in (5, 9, 13):
+            model(*_inputs(n))
+        built = torchnative.stats()["graphs_built"]
+        for args in (_inputs(1), _inputs(13, 20), _inputs(20, 30)):  # out of range; the mask's length otherwise
+            for _ in range(2):
+                assert_same(model(*args), expected(*args))
+    assert torchnative.stats()["graphs_built"] > built  # each recorded and compiled as its own graph
+    assert torchnative.stats()["symbolic_graphs"] == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_with_the_default_cache_compiles_once_for_any_prompt(name):
+    """transformers' DynamicCache grows by a token each decode step, and each prompt has its
+    length: a template for the prefill and one for the decode step serve them all."""
+    model, reference = models.build(name), models.build(name)
+    torchnative.accelerate(model, delegates=["ort"])
+    clear_caches()
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for length in (7, 12, 20, 7):
+            ids = torch.randint(0, 100, (1, length), generator=torch.Generator().manual_seed(length))
+            kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+            expected = reference.generate(ids, **kwargs)
+            for _ in range(2):
+                assert torch.equal(model.generate(ids, **kwargs), expected)
+    stats = torchnative.stats()
+    assert stats["symbolic_graphs"] == 2 and not stats["not_compiled"] and not stats["fallbacks"]
+    assert len(_compiled()) <= 4  # the two templates, and the first two prompts' prefills before them
+
+
+
+def test_bert_at_five_lengths_compiles_once():
+    """Its two graphs (embeddings and the mask's check, then the encoder) each compile once. The
+    position table bounds the length: the export finds it, and the templates take no longer one."""
+    model, reference = models.build("bert"), models.build("bert")
+    torchnative.accelerate(model, delegates=["ort"])
+    clear_caches()
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for length in (16, 64, 128, 256, 384):
+            inputs = models.example_inputs("bert", model, seq=length)
+            assert_same(model(**inputs).last_hidden_state, reference(**inputs).last_hidden_state, rtol=1e-4, atol=1e-5)
+    assert torchnative.stats()["symbolic_graphs"] == 2 and not torchnative.stats()["fallbacks"]
+    assert len(_compiled()) == 2
+    table = model.config.max_position_embeddings
+    assert any(p.ranges == {0: (2, table)} for p in _compiled())

@@ -1,0 +1,111 @@
+"""Graphs that stand for every size (torchnative.sizes): a recorded graph whose op sequence was
+recorded before at another size is fitted against that one, and the later graph, with the rules
+the fit found, is a *template*: one program, compiled once, runs every graph that matches it
+(torch.compile's automatic dynamic: static at first, symbolic once sizes change). A fit of two
+sizes is a candidate until a graph at a third size matches it: two samples fit an integer that
+grows quadratically too, and a template compiled for it would serve no other size.
+
+Which graphs are the same op sequence is the `skeleton`: the ops in order and the inputs' ranks
+and dtypes. A graph that matches no template and fits none of the recent graphs of its skeleton
+stays a graph of its own size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchnative import events
+from torchnative.ir import CapturedGraph
+from torchnative.recording.trie import INPUT, Signature, TrieNode, build_graph, flatten
+from torchnative.sizes import SIZES, Flat, Sizes, fit
+
+_RECENT = 4  # graphs of a skeleton kept to fit a new size against
+_CANDIDATES = 8  # fits of a skeleton not confirmed (sizes that follow no rule fit pairwise)
+
+
+@dataclass(eq=False)
+class Template:
+    sizes: Sizes
+    graph: CapturedGraph  # the later of the two graphs fitted, annotated: it stands for every match
+    confirmed: bool = False  # a graph at a third size matched it
+
+    def narrow(self, ranges: dict[int, tuple[int, int]]) -> None:
+        """Sizes out of these ranges (what a program's delegates took) match it no more."""
+        for j, (lo, hi) in ranges.items():
+            old = self.sizes.ranges[j]
+            self.sizes.ranges[j] = (max(old[0], lo), min(old[1], hi))
+
+
+_skeletons: dict[TrieNode, tuple] = {}
+# per skeleton: its recent graphs at distinct sizes, flattened (torchnative.sizes), to fit against
+_recent: dict[tuple, list[tuple[TrieNode, Signature, Flat]]] = {}
+_templates: dict[tuple, list[Template]] = {}
+# (node, sig) -> its template, or None with how many templates its skeleton had then (one made
+# later, from two other sizes, may match it)
+_matched: dict[tuple[TrieNode, Signature], tuple[Template | None, int]] = {}
+
+
+def skeleton(node: TrieNode) -> tuple:
+    """The op sequence of the graph recorded up to `node`, with its inputs' ranks and dtypes."""
+    found = _skeletons.get(node)
+    if found is None:
+        path = node.path()
+        inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
+        found = _skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
+                                    tuple(m and (len(m[0]), m[3]) for m in inputs))
+    return found
+
+
+def template_for(node: TrieNode, sig: Signature) -> Template | None:
+    """The confirmed template this graph matches: one already made, or a candidate it confirms;
+    else None, after fitting it against a recent graph of its skeleton at another size (a
+    candidate the next size may confirm)."""
+    seq = skeleton(node)
+    templates = _templates.get(seq, ())
+    found, known = _matched.get((node, sig), (None, -1))
+    if found is None and known < len(templates):
+        flat = flatten(node, sig)
+        found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
+        if found is not None and not found.confirmed:  # a third size follows the rules two others made
+            found.confirmed = True
+            events.STATS.symbolic_graphs += 1
+        if found is None and known < 0:
+            found = _candidate(seq, node, sig, flat)
+        _matched[node, sig] = (found, len(_templates.get(seq, ())))
+    return found if found is not None and found.confirmed else None
+
+
+def _candidate(seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Template | None:
+    """A template fitted from this graph and a recent graph of its skeleton at another size,
+    which this graph itself matches; None when none fits."""
+    made = None
+    kept = _templates.setdefault(seq, [])
+    for *_, other in reversed(_recent.get(seq, ())):
+        sizes = fit(other, flat)
+        if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
+            made = Template(sizes, annotated(node, sig, sizes, flat))
+            kept.append(made)
+            break
+    recent = _recent.setdefault(seq, [])
+    recent.append((node, sig, flat))
+    del recent[:-_RECENT]
+    return made
+
+
+def annotated(node: TrieNode, sig: Signature, sizes: Sizes, flat: Flat) -> CapturedGraph:
+    """The graph recorded up to `node`, each node's integers that follow a symbol marked with
+    their rules (`node.meta["sizes"]`, torchnative.sizes)."""
+    made: list = []
+    graph = build_graph(node, sig, made)
+    for rule, at in zip(sizes.rules, flat.where):
+        if rule.symbol < 0:
+            continue
+        call, outputs = made[at[0]]
+        target, where = (call, (at[1], *at[2:])) if at[1] in ("args", "kwargs") else (outputs[at[2]], at[3:])
+        target.meta.setdefault(SIZES, {})[where] = rule
+    return graph
+
+
+def forget() -> None:
+    _skeletons.clear()
+    _recent.clear()
+    _templates.clear()
+    _matched.clear()
