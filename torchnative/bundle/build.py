@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
-from torchnative.runtime.guard import SCALARS, object_state
+from torchnative.runtime.guard import SCALARS, Snapshot
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.trace import Ineligible, Trace
 from torchnative.runtime.tracer import Tracer
@@ -56,13 +56,15 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
     `states`: ids of the tensors the call may write (a static KV cache's)."""
     buffers = frozenset(id(b) for b in model.buffers())
     leaves = list(inputs.values())
-    objects = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
-    before = {k: object_state(v) for k, v in objects.items()}
+    objects = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
+    before = {i: Snapshot(v) for i, v in objects.items()}
     tracer = Tracer()
     with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1, floats_vary=False):
         out = model(**inputs)
     out = real_outputs(out)
-    changed = [f"{k} ({type(v).__name__})" for k, v in objects.items() if object_state(v) != before[k]]
+    after = {i: Snapshot(v) for i, v in objects.items()}
+    names = list(inputs)
+    changed = [f"{names[i]} ({type(v).__name__})" for i, v in objects.items() if after[i].state != before[i].state]
     if changed:  # a Python counter (a sliding-window cache's length) that the next call reads: a bundle has no Python
         raise BundleError(f"the call of {type(model).__name__} changes Python state of {', '.join(changed)} that later "
                           f"calls read (a counter, not a tensor); a bundle carries only tensors as state. A sliding-"
@@ -70,7 +72,8 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
     is_weight = lambda x: isinstance(x, torch.nn.Parameter) or id(x) in buffers  # noqa: E731
     try:
         with torch.no_grad():
-            trace = tracer.trace(leaves, is_weight, out)
+            # the bundle's state and constants are these tensors themselves
+            trace = tracer.trace(leaves, is_weight, out, before, after).held(before)
     except Ineligible as e:
         raise BundleError(f"this call of {type(model).__name__} cannot be saved as a bundle: {e}. A bundle "
                           f"runs without the model's Python, so everything the call computes must pass "

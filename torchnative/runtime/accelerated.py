@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.runtime import calibration as _calibration
-from torchnative.runtime.guard import flatten_call, guard_key
+from torchnative.runtime.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.runtime.replayer import Replayer
 from torchnative.runtime.session import real_outputs, session
 from torchnative.runtime.trace import watch
@@ -71,12 +71,13 @@ class AcceleratedForward:
             return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
+        before = dict(replayer.snapshots)
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
-        if guard_key(self.model, leaves, spec, replayer.snapshots) != key:  # the call changed an argument object's Python state
-            tracer.refuse("the call changed the Python state of an argument object")
-        replayer.learn(key, tracer, leaves, out)
+        if not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
+            tracer.refuse("the call changed the metadata of an argument tensor")
+        replayer.learn(key, tracer, leaves, out, before)
         return out
 
     def _replay_state(self) -> Replayer:

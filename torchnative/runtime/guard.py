@@ -30,32 +30,45 @@ def is_plain(spec: Any, outputs: bool = False) -> bool:
     return ok and all(is_plain(c, outputs) for c in spec.children())
 
 
-def object_state(x: Any, tensors: list | None = None, depth: int = 3, read: "Snapshot | None" = None) -> Any:
+def object_state(x: Any, depth: int = 3, read: "Snapshot | None" = None, place: tuple | None = None) -> Any:
     """An argument object's Python state (a KV cache: its layers, their tensors and counters):
-    scalars by value, tensors by identity and metadata (and collected into `tensors`), deeper
-    objects by identity. `read` is told what the walk looked at."""
+    scalars by value, tensors by metadata, objects by type and state, those deeper than `depth`
+    by identity. `read` is told what the walk
+    looked at: the containers, and each tensor with its `place` (where it sits: (list, index),
+    (dict, key) or (object, attribute); None in a tuple), which a replay reads and writes."""
     tp = type(x)
     if tp in SCALARS:  # first: most fields are; isinstance of torch.Tensor costs a metaclass call
         return x
     if tp is torch.Tensor or isinstance(x, torch.Tensor):
-        if tensors is not None:  # a tensor made under capture (a cache's lazy init) is a wrapper
-            tensors.append(x._value if tp is LazyTensor and x._value is not None else x)
         if read is not None:
             read.tensors.append(x)
-        return ("T", id(x), x.shape, x.stride(), x.dtype)
+            read.places.append(place)
+        return ("T", x.shape, x.stride(), x.dtype)
     if depth == 0:
         return ("O", id(x))
     if tp is list or tp is tuple:
         if read is not None and tp is list:
             read.containers.append(x)
-        return (tp.__name__, *[object_state(v, tensors, depth - 1, read) for v in x])
+        return (tp.__name__, *[object_state(v, depth - 1, read, (x, k) if tp is list else None) for k, v in enumerate(x)])
     fields = x if tp is dict else getattr(x, "__dict__", None)
     if fields is None:
         return ("O", id(x))
     if read is not None:
         read.containers.append(fields)
-    state = tuple((k, object_state(v, tensors, depth - 1, read)) for k, v in fields.items())
-    return ("dict", *state) if tp is dict else (tp, id(x), *state)
+    owner = fields if tp is dict else x
+    state = tuple((k, object_state(v, depth - 1, read, (owner, k))) for k, v in fields.items())
+    # by type, not identity: a trace reads the tensors where they sit (runtime/trace.py), so a
+    # new cache of the same state (each generate() makes one) replays the same trace
+    return ("dict", *state) if tp is dict else (tp, *state)
+
+
+def put(place: tuple, value: Any) -> None:
+    """Set what sits at `place` (object_state's) to `value`."""
+    owner, key = place
+    if type(owner) is list or type(owner) is dict:
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
 
 
 def _contents(containers: list) -> list:
@@ -79,15 +92,17 @@ class Snapshot:
     """An argument object's state (`object_state`) and what its walk read: while every container
     holds the same objects and every tensor has the same metadata, the state is the same, and
     checking that is a fraction of the walk (a StaticCache's state has 781 items; a decode step
-    built it on every call). The state is returned as the same object, its hash computed once."""
-    __slots__ = ("obj", "containers", "tensors", "state", "_hash", "_contents", "_items", "_meta")
+    built it on every call). `key` stands for the state in a guard key, without holding the
+    object or its tensors (a key outlives the call: a grown cache's old tensors must not)."""
+    __slots__ = ("obj", "containers", "tensors", "places", "state", "key", "_contents", "_items", "_meta")
 
     def __init__(self, obj: Any):
         self.obj = obj
         self.containers: list[list | dict] = []  # the lists and field dicts the walk read
         self.tensors: list[torch.Tensor] = []
+        self.places: list[tuple | None] = []
         self.state = object_state(obj, read=self)
-        self._hash = hash(self.state)
+        self.key = _State(self.state)
         self._items = [list(c.values()) if type(c) is dict else list(c) for c in self.containers]  # keeps ids unique
         self._contents = _contents(self.containers)
         self._meta = _metadata(self.tensors)
@@ -96,11 +111,23 @@ class Snapshot:
         """`obj` is this snapshot's object, unchanged."""
         return obj is self.obj and _contents(self.containers) == self._contents and _metadata(self.tensors) == self._meta
 
+    def values(self) -> list[torch.Tensor]:
+        """Its tensors as real tensors (one made under capture, a cache's, is a lazy wrapper)."""
+        return [t._value if type(t) is LazyTensor and t._value is not None else t for t in self.tensors]
+
+
+class _State:
+    """A state, hashed once."""
+    __slots__ = ("state", "_hash")
+
+    def __init__(self, state: Any):
+        self.state, self._hash = state, hash(state)
+
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (type(other) is Snapshot and self._hash == other._hash and self.state == other.state)
+        return self is other or (type(other) is _State and self._hash == other._hash and self.state == other.state)
 
 
 _SPECS: dict[tuple, Any] = {}
@@ -146,5 +173,14 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
                 snap = Snapshot(x)
                 if snapshots is not None:
                     snapshots[i] = snap
-            described.append(snap)
+            described.append(snap.key)
     return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
+
+
+def same_apart_from_objects(key: tuple | None, after: tuple | None) -> bool:
+    """Two guard keys of one call, at its start and end, agree but for argument objects' states
+    (what the call put into its KV cache, which the tracer describes)."""
+    if key is None or after is None:
+        return key is after
+    return key[0] == after[0] and key[2:] == after[2:] and all(
+        a == b or type(a) is _State for a, b in zip(key[1], after[1]))

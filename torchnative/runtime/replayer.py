@@ -22,18 +22,18 @@ from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.grad import copy_back
-from torchnative.runtime.guard import Snapshot
+from torchnative.runtime.guard import Snapshot, put
 from torchnative.runtime.trace import Ineligible, Trace, module_changes, resolve
 from torchnative.runtime.tracer import Tracer
 
 
-def _run(trace: Trace, leaves: list) -> Any:
+def _run(trace: Trace, leaves: list, snapshots: dict) -> Any:
     """The call's output, or None when a guard fails (then nothing was written)."""
     if trace.module_changes != module_changes():
         return None
     produced: list[list] = []
     for step in trace.steps:
-        inputs = step.inputs(leaves, produced)
+        inputs = step.inputs(leaves, produced, snapshots)
         if not step.valid_for(inputs):
             return None
         values = step.program(inputs)
@@ -48,8 +48,10 @@ def _run(trace: Trace, leaves: list) -> Any:
     last = trace.steps[-1] if trace.steps else None
     if last is not None and last.writes:  # only the last step writes, after every guard held
         values = produced[-1]
-        copy_back(last.roots(leaves, produced), values[len(values) - len(last.writes):])
-    out = [resolve(o, leaves, produced) for o in trace.outputs]
+        copy_back(last.roots(leaves, produced, snapshots), values[len(values) - len(last.writes):])
+    out = [resolve(o, leaves, produced, snapshots) for o in trace.outputs]
+    for (i, k), src in trace.sets:  # what the call put into its argument objects
+        put(snapshots[i].places[k], resolve(src, leaves, produced, snapshots))
     build = trace.__dict__.get("_build")
     if build is None:
         built = pytree.tree_unflatten(out, trace.spec)
@@ -92,10 +94,15 @@ def _builder(spec: Any, leaves: list, built: Any) -> Callable[[list], Any]:
 @dataclass
 class _Entry:
     trace: Trace
-    seen: int = 1
+    seen: int = 1  # consecutive calls with these guards that recorded this trace
+    # consecutive calls (any guards) whose traces were the same as this one, up to its own: a
+    # decode step over a growing cache has new guards every call, and the same trace
+    run: int = 1
 
 
-_KEEP = 16  # traces kept per module: a loop that makes a new cache object per call must not keep them all
+# traces kept per module (a key holds no tensor: runtime/guard.py's Snapshot.key): one per decode
+# length of a few prompts
+_KEEP = 1024
 
 
 class Replayer:
@@ -105,15 +112,16 @@ class Replayer:
         self.weights = weights
         self.entries: dict[tuple, _Entry] = {}
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
+        self.last: _Entry | None = None  # the entry of the last call recorded
 
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
 
     def replay(self, key: tuple, leaves: list) -> tuple[bool, Any]:
         entry = self.entries.get(key)
-        if entry is None or entry.seen < 2:
+        if entry is None or (entry.seen < 2 and entry.run < 2):
             return False, None
-        out = _run(entry.trace, leaves)
+        out = _run(entry.trace, leaves, self.snapshots)
         if out is None:
             events.STATS.replay_misses += 1
             events.emit(events.ReplayOutcome("miss"))
@@ -123,19 +131,24 @@ class Replayer:
             events.emit(events.ReplayOutcome("replayed"))
         return True, out
 
-    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any) -> None:
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
+        """`before`: the argument objects' snapshots at the call's start (`self.snapshots` holds
+        those at its end)."""
         try:
-            trace = tracer.trace(leaves, self.is_weight, out)
+            trace = tracer.trace(leaves, self.is_weight, out, before, self.snapshots)
         except Ineligible as e:
             events.STATS.replay_ineligible[str(e)] += 1
             events.emit(events.ReplayOutcome("ineligible", str(e)))
             self.entries.pop(key, None)
+            self.last = None
             return
+        run = self.last.run + 1 if self.last is not None and self.last.trace.same_as(trace) else 1
         entry = self.entries.get(key)
         if entry is not None and entry.trace.same_as(trace):
             entry.seen += 1
-            entry.trace = trace
+            entry.trace, entry.run = trace, max(entry.run, run)
         else:
-            self.entries[key] = _Entry(trace)
-            if len(self.entries) > _KEEP:  # the oldest: a trace holds its argument objects' tensors (a KV cache)
+            entry = self.entries[key] = _Entry(trace, run=run)
+            if len(self.entries) > _KEEP:
                 del self.entries[next(iter(self.entries))]
+        self.last = entry

@@ -10,12 +10,13 @@ call that cannot be described so raises `Ineligible`, which says why.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from torchnative.runtime.program import baked_state
+from torchnative.shim import LazyTensor
 
 # Bumped whenever a watched module (one of an accelerated model's) (re)registers a parameter or
 # buffer or has any attribute set (`bn.momentum = m`, `bn.eval()`, a forward's
@@ -72,14 +73,17 @@ class Ineligible(Exception):
     """This call cannot be described by a trace; the message says why."""
 
 
-def resolve(src: tuple, leaves: list, produced: list) -> Any:
+def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
     kind = src[0]
     if kind == "arg":
         return leaves[src[1]]
     if kind == "out":
         return produced[src[1]][src[2]]
+    if kind == "field":  # a tensor an argument object holds: where it sits now
+        t = snapshots[src[1]].tensors[src[2]]
+        return t._value if type(t) is LazyTensor else t
     if kind == "view":
-        return resolve(src[1], leaves, produced).as_strided(*src[2:])
+        return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
     return src[1]  # "const", "py"
 
 
@@ -87,6 +91,7 @@ def resolve(src: tuple, leaves: list, produced: list) -> Any:
 class GraphCall:
     program: Any                  # runtime.program.Program
     sources: tuple                # per input: ("arg", i) | ("out", step, j) | ("const", tensor)
+                                  # | ("field", i, k): the k-th tensor argument object i holds
                                   # | ("view", source, shape, stride, offset): an alias of a source
     reads: tuple                  # ((j, value), ...): Python read output j as this scalar
     writes: tuple = ()            # sources of the real tensors the trailing values are copied into
@@ -100,13 +105,11 @@ class GraphCall:
         baked = self.program.baked
         held = all(self.sources[i][0] == "const" and self.sources[i][1] is ref() for i, ref, _ in baked)
         object.__setattr__(self, "_baked", ([self.sources[i][1] for i, _, _ in baked], [s for _, _, s in baked]) if held else None)
-        roots = [w[1] for w in self.writes if w[0] == "const"]
-        object.__setattr__(self, "_roots", roots if len(roots) == len(self.writes) else None)
 
-    def inputs(self, leaves: list, produced: list) -> list:
+    def inputs(self, leaves: list, produced: list, snapshots: dict) -> list:
         inputs = self._template.copy()
         for k, s in self._resolved:
-            inputs[k] = resolve(s, leaves, produced)
+            inputs[k] = resolve(s, leaves, produced, snapshots)
         return inputs
 
     def valid_for(self, inputs: list) -> bool:
@@ -116,9 +119,9 @@ class GraphCall:
         tensors, states = self._baked
         return list(map(baked_state, tensors)) == states
 
-    def roots(self, leaves: list, produced: list) -> list:
+    def roots(self, leaves: list, produced: list, snapshots: dict) -> list:
         """The real tensors this step's trailing values are copied into."""
-        return self._roots if self._roots is not None else [resolve(src, leaves, produced) for src in self.writes]
+        return [resolve(src, leaves, produced, snapshots) for src in self.writes]
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,21 @@ class Trace:
     outputs: tuple                # per output leaf: a source, or ("py", value)
     spec: Any                     # the output's pytree structure
     module_changes: int           # module_changes() when the call was recorded
+    # ((i, k), source): the k-th tensor argument object i holds is replaced by this value (a
+    # DynamicCache's keys by the longer ones the step concatenated)
+    sets: tuple = ()
+
+    def held(self, snapshots: dict) -> "Trace":
+        """This trace with the tensors argument objects held (at the start of the call these
+        snapshots were taken at) as constants: what a bundle saves by identity."""
+        def const(src: tuple) -> tuple:
+            if src[0] == "field":
+                return ("const", snapshots[src[1]].values()[src[2]])
+            return ("view", const(src[1]), *src[2:]) if src[0] == "view" else src
+
+        steps = tuple(replace(s, sources=tuple(map(const, s.sources)), writes=tuple(map(const, s.writes)))
+                      for s in self.steps)
+        return replace(self, steps=steps, outputs=tuple(map(const, self.outputs)))
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
@@ -136,4 +154,4 @@ class Trace:
             return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.steps]
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
-                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs])
+                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets)

@@ -1,9 +1,10 @@
 """The `Tracer`: it watches one recorded call (runtime/session.py) and describes it as a `Trace`
 (runtime/trace.py), or says why the call is `Ineligible`.
 
-An argument object (a StaticCache) is guarded by identity and Python state (runtime/guard.py); a
-call that changes that state is ineligible; the tensors it reaches are read and, by the last
-program, written back as the recording did. Anything else Python did with tensor data (a random
+An argument object (a KV cache) is guarded by identity and Python state (runtime/guard.py); the
+tensors it holds are read where they sit, written back by the last program (a StaticCache's, in
+place), or replaced by values the programs made (a DynamicCache's, grown by a step); a call that
+changes anything else of that state is ineligible. Anything else Python did with tensor data (a random
 op, an eager fallback op, `.tolist()`, a tensor made from Python data) makes the call ineligible;
 the reason is counted in `stats()["replay_ineligible"]`.
 """
@@ -14,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from torchnative.runtime.guard import SCALARS, is_plain, object_state
+from torchnative.runtime.guard import SCALARS, Snapshot, is_plain
 from torchnative.runtime.trace import GraphCall, Ineligible, Trace, module_changes
 
 aten = torch.ops.aten
@@ -47,7 +48,9 @@ class Tracer:
         if self.why is None:
             self.why = why
 
-    def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any) -> Trace:
+    def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any, before: dict[int, Snapshot],
+              after: dict[int, Snapshot]) -> Trace:
+        """`before`, `after`: the argument objects' snapshots at the call's start and end."""
         if self.why is not None:
             raise Ineligible(self.why)
         if module_changes() != self.changes:
@@ -63,12 +66,10 @@ class Tracer:
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 known(x, ("arg", i))
-            elif type(x) not in SCALARS:  # an object argument (a cache): its tensors, as they are
+            elif type(x) not in SCALARS:  # an object argument (a cache): its tensors, where they sit
                 where[id(x)] = ("arg", i)
-                reached: list = []
-                object_state(x, reached)
-                for t in reached:
-                    where.setdefault(id(t), ("const", t))
+                for k, t in enumerate(before[i].values()):
+                    where.setdefault(id(t), ("field", i, k))
 
         def source(x: Any) -> tuple:
             s = where.get(id(x))
@@ -101,12 +102,40 @@ class Tracer:
             if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
                 raise Ineligible("autograd records this call")
             writes = tuple(source(r) for r in roots)
-            if any(w[0] not in ("arg", "const") for w in writes):
+            if any(w[0] not in ("arg", "field", "const") for w in writes):
                 raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
             steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
+        sets = tuple((at, source(t)) for at, t in _replaced(before, after))
         outputs, spec = pytree.tree_flatten(out)
         if not is_plain(spec, outputs=True):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
-        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes())
+        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes(), sets)
+
+
+def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """((argument, k), new tensor) for each tensor an argument object holds that the call
+    replaced; anything else of its state that changed makes the call ineligible."""
+    replaced = []
+    for i, old in before.items():
+        new = after[i]
+        if new is old:
+            continue
+        if new.obj is not old.obj or _masked(new.state) != _masked(old.state):
+            raise Ineligible("the call changed the Python state of an argument object")
+        for k, (a, b, place) in enumerate(zip(old.values(), new.values(), new.places)):
+            if a is not b:
+                if place is None:
+                    raise Ineligible("the call replaced a tensor an argument object holds in a tuple")
+                replaced.append(((i, k), b))
+    return replaced
+
+
+def _masked(state: Any) -> Any:
+    """An object's state with its tensors' metadata left out: which tensors, not their sizes."""
+    if type(state) is tuple:
+        if state and state[0] == "T" and len(state) == 4:
+            return "T"
+        return tuple(_masked(s) for s in state)
+    return state
