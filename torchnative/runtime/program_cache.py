@@ -23,7 +23,7 @@ from torchnative.passes.pin import pin
 from torchnative.runtime import calibration
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.program import Program, baked_state
-from torchnative.runtime.templates import forget as forget_templates, skeleton, template_for
+from torchnative.runtime.templates import confirm, forget as forget_templates, skeleton, template_for
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -124,14 +124,15 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     every decode step) would never repay it. With `background`, a miss starts the build on the
     background thread and the graph runs on eager's program until the build is done. A graph
     whose op sequence was recorded at other sizes runs the program of the template it matches
-    (runtime/templates.py), built at once: sizes that changed once change again."""
+    (runtime/templates.py): a confirmed one's at once (sizes that changed twice change again), a
+    candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
     graph = None  # what a miss builds: the recorded graph, or the template it matches
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
     elif delegates != (eager,):
         template = template_for(node, sig)
-        if template is not None:
+        if template is not None and template.confirmed:
             node, graph, compile_after = template, template.graph, 1
         elif _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
             events.STATS.not_compiled["sizes vary"] += 1
@@ -144,6 +145,9 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
                 delegates = (eager,)
             else:
                 _pin_written_since_first_run(node, sig, delegates, inputs)
+                if template is not None:  # one compile serves both sizes the candidate was fitted to
+                    confirm(template)
+                    node, graph = template, template.graph
     differentiated = quantize is not None and _under_autograd(inputs)
     if differentiated:
         quantize = None

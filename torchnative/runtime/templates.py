@@ -2,8 +2,9 @@
 recorded before at another size is fitted against that one, and the later graph, with the rules
 the fit found, is a *template*: one program, compiled once, runs every graph that matches it
 (torch.compile's automatic dynamic: static at first, symbolic once sizes change). A fit of two
-sizes is a candidate until a graph at a third size matches it: two samples fit an integer that
-grows quadratically too, and a template compiled for it would serve no other size.
+sizes is a candidate until a graph at a third size matches it, or one of the two would compile
+(then the candidate compiles in its place): two samples fit an integer that grows quadratically
+too, and a template compiled for it would serve no other size.
 
 Which graphs are the same op sequence is the `skeleton`: the ops in order and the inputs' ranks
 and dtypes. A graph that matches no template and fits none of the recent graphs of its skeleton
@@ -25,7 +26,8 @@ _CANDIDATES = 8  # fits of a skeleton not confirmed (sizes that follow no rule f
 class Template:
     sizes: Sizes
     graph: CapturedGraph  # the later of the two graphs fitted, annotated: it stands for every match
-    confirmed: bool = False  # a graph at a third size matched it
+    fitted: set  # the two graphs' (node, sig)
+    confirmed: bool = False  # a graph at a third size matched it, or one of the two compiled
 
     def narrow(self, ranges: dict[int, tuple[int, int]]) -> None:
         """Sizes out of these ranges (what a program's delegates took) match it no more."""
@@ -55,22 +57,27 @@ def skeleton(node: TrieNode) -> tuple:
 
 
 def template_for(node: TrieNode, sig: Signature) -> Template | None:
-    """The confirmed template this graph matches: one already made, or a candidate it confirms;
-    else None, after fitting it against a recent graph of its skeleton at another size (a
-    candidate the next size may confirm)."""
+    """The template this graph matches: a confirmed one, or a candidate (which a match at a third
+    size confirms); else None, after fitting the graph against a recent graph of its skeleton at
+    another size (a candidate it matches)."""
     seq = skeleton(node)
     templates = _templates.get(seq, ())
     found, known = _matched.get((node, sig), (None, -1))
     if found is None and known < len(templates):
         flat = flatten(node, sig)
         found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
-        if found is not None and not found.confirmed:  # a third size follows the rules two others made
-            found.confirmed = True
-            events.STATS.symbolic_graphs += 1
+        if found is not None and (node, sig) not in found.fitted:  # a third size follows the rules two others made
+            confirm(found)
         if found is None and known < 0:
             found = _candidate(seq, node, sig, flat)
         _matched[node, sig] = (found, len(_templates.get(seq, ())))
-    return found if found is not None and found.confirmed else None
+    return found
+
+
+def confirm(template: Template) -> None:
+    if not template.confirmed:
+        template.confirmed = True
+        events.STATS.symbolic_graphs += 1
 
 
 def _candidate(seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Template | None:
@@ -78,10 +85,10 @@ def _candidate(seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Templa
     which this graph itself matches; None when none fits."""
     made = None
     kept = _templates.setdefault(seq, [])
-    for *_, other in reversed(_recent.get(seq, ())):
-        sizes = fit(other, flat)
+    for *other, other_flat in reversed(_recent.get(seq, ())):
+        sizes = fit(other_flat, flat)
         if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
-            made = Template(sizes, annotated(node, sig, sizes, flat))
+            made = Template(sizes, annotated(node, sig, sizes, flat), {tuple(other), (node, sig)})
             kept.append(made)
             break
     recent = _recent.setdefault(seq, [])
