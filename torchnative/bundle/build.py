@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
 
+from torchnative.bundle import dynamic as dynamic_sizes
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
@@ -31,6 +32,15 @@ class Method:
     inputs: dict[str, torch.Tensor]    # the example inputs, by argument name
     output_names: list[str]            # one per flattened output leaf
     reference: list                    # eager's flattened outputs on the example inputs
+    size: dict | None = None           # the size n its dynamic dims share (bundle/dynamic.py), if any
+    symbols: list[dict] = field(default_factory=list)  # per graph: its rules' symbols as (coef, const) of n
+
+
+class Captured(NamedTuple):
+    trace: Trace
+    run_inputs: list  # per graph run: its inputs
+    out: Any
+    recorded: list  # per graph run: its (trie node, signature)
 
 
 @dataclass
@@ -50,10 +60,9 @@ def leaf_name(path: tuple) -> str:
     return ".".join(parts) or "output"
 
 
-def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
-                 states: frozenset[int] = frozenset()) -> tuple[Trace, list, list]:
-    """The trace of `model(**inputs)` recorded on eager, the programs' run inputs, and the output.
-    `states`: ids of the tensors the call may write (a static KV cache's)."""
+def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozenset[int] = frozenset()) -> Captured:
+    """The trace of `model(**inputs)` recorded on eager, its graphs' run inputs, the output, and
+    the graphs as recorded. `states`: ids of the tensors the call may write (a static KV cache's)."""
     buffers = frozenset(id(b) for b in model.buffers())
     leaves = list(inputs.values())
     objects = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
@@ -82,7 +91,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any],
         raise BundleError(f"{type(model).__name__} writes into tensors during the call (state such as a KV "
                           f"cache or BatchNorm statistics in train mode); a bundle carries only a causal LM's "
                           f"static KV cache as state (capture-and-compile of a causal LM does so by default)")
-    return trace, [run[1] for run in tracer.runs], out
+    return Captured(trace, [run[1] for run in tracer.runs], out, tracer.recorded)
 
 
 def compile_trace(trace: Trace, run_inputs: list, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
@@ -115,12 +124,40 @@ def weight_names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: Sequence[str] | None,
-                 quantize: str | None = None) -> Compiled:
-    """Capture `model(**inputs)` and compile each of its graphs for `targets` (preference order)."""
+                 quantize: str | None = None, dynamic: dynamic_sizes.Dynamic | None = None) -> Compiled:
+    """Capture `model(**inputs)` and compile each of its graphs for `targets` (preference order);
+    with `dynamic`, for every size of its dims in the range (bundle/dynamic.py)."""
     reference = prepare_model(model, inputs)
-    trace, run_inputs, out = capture_call(model, inputs)
+    if dynamic is not None:
+        return Compiled({"forward": _dynamic_method(model, inputs, reference, targets, quantize, dynamic)},
+                        weight_names(model))
+    trace, run_inputs, out, _ = capture_call(model, inputs)
     forward = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
     return Compiled({"forward": forward}, weight_names(model))
+
+
+def _dynamic_method(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference: list,
+                    targets: Sequence[str] | None, quantize: str | None, dynamic: dynamic_sizes.Dynamic) -> Method:
+    """The call captured at three sizes of n, each graph compiled once for every n of the range."""
+    example = dynamic_sizes.example_size(inputs, dynamic)
+    ns = dynamic_sizes.samples(example, dynamic)
+    captured = [capture_call(model, dynamic_sizes.resized(inputs, dynamic, n)) for n in ns]
+    if len({len(c.trace.steps) for c in captured}) != 1:
+        raise BundleError(f"the call records another number of graphs at n = {ns[0]}, {ns[1]} and {ns[2]} (its graph "
+                          f"breaks depend on n): it cannot be compiled for a range of n")
+    steps, outputs = dynamic_sizes.sized_sources([c.trace for c in captured], ns)
+    sized = [dynamic_sizes.template(k, [c.recorded[k] for c in captured], ns, captured[1].run_inputs[k], targets, quantize)
+             for k in range(len(steps))]
+    low, high = max(s.low for s in sized), min(s.high for s in sized)
+    if low > dynamic.low or high < dynamic.high:
+        dims = ",".join(f"{name}:{d}" for name, d in dynamic.dims)
+        raise BundleError(f"{type(model).__name__} takes n from {low} to {high} only (a table it indexes by "
+                          f"position, or a size that must stay 2 or more), not {dynamic.low}..{dynamic.high}: "
+                          f"use --dynamic {dims}={max(low, dynamic.low)}..{min(high, dynamic.high)}")
+    trace = dataclasses.replace(captured[0].trace, outputs=outputs,
+                                steps=tuple(dataclasses.replace(s, program=z.program) for s, z in zip(steps, sized)))
+    forward = method(inputs, trace, captured[0].out, reference)
+    return dataclasses.replace(forward, size=dynamic.record(example), symbols=[z.symbols for z in sized])
 
 
 def generates(model: torch.nn.Module) -> bool:
@@ -260,7 +297,7 @@ def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, qu
     ids_of = frozenset(map(id, states.values()))
     methods = {}
     for name, (module, inputs, cached) in calls.items():
-        trace, run_inputs, out = capture_call(module, {**inputs, "cache": cache} if cached else inputs, ids_of)
+        trace, run_inputs, out, _ = capture_call(module, {**inputs, "cache": cache} if cached else inputs, ids_of)
         reference = pytree.tree_leaves(out)
         methods[name] = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
     config = model.generation_config

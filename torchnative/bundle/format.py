@@ -8,7 +8,8 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-SCHEMA = 2  # 2: methods and states
+SCHEMA = 3  # 2: methods and states; 3: sizes as expressions in n (a method's `size`: bundle/dynamic.py)
+OLDEST = 2  # schema 3 reads 2's manifests as they are (it adds to them); a bundle of one size is still written as 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 
@@ -86,9 +87,9 @@ class Reader:
             raise BundleError(f"{self.path} has bundle schema {schema}, newer than this torchnative "
                               f"reads ({SCHEMA}); upgrade torchnative (it was written by "
                               f"torchnative {manifest.get('toolchain', {}).get('torchnative', '?')})")
-        if schema < SCHEMA:
+        if schema < OLDEST:
             raise BundleError(f"{self.path} has bundle schema {schema}, older than this torchnative "
-                              f"reads ({SCHEMA}); write it again with `torchnative capture-and-compile`")
+                              f"reads ({OLDEST}..{SCHEMA}); write it again with `torchnative capture-and-compile`")
         return manifest
 
     def checked(self, name: str, expected: dict) -> bytes:

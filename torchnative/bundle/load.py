@@ -10,10 +10,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchnative.bundle.dynamic import evaluate
 from torchnative.bundle.format import BundleError, Reader
 from torchnative.delegates import REGISTRY
 from torchnative.interface import Artifact
 from torchnative.delegates.eager import delegate as eager
+from torchnative.sizes import dense_strides
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -24,7 +26,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _describe(dtype: torch.dtype | str, shape: Any) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+    return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, shape))}]"
 
 
 def _load_partition(reader: Reader, part: dict, weights: dict) -> tuple[Callable, list[str], str]:
@@ -68,8 +70,9 @@ class Method:
 
     def __init__(self, bundle: "Bundle", name: str, spec: dict, reader: Reader):
         self.bundle, self.name, self.spec = bundle, name, spec
-        self.inputs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+        self.inputs: dict[str, tuple[torch.dtype, tuple[int | str, ...]]] = {  # a size as an expression in n: bundle/dynamic.py
             i["name"]: (_dtype(i["dtype"]), tuple(i["shape"])) for i in spec["inputs"]}
+        self.size: dict | None = spec.get("size")  # the size n dynamic dims share, and its range
         self.outputs = [o["name"] for o in spec["outputs"]]
         self._runners = {(k, j): _load_partition(reader, part, bundle.weights)
                          for k, g in enumerate(spec["programs"]) for j, part in enumerate(g["partitions"])}
@@ -95,17 +98,36 @@ class Method:
         if unknown or missing:
             raise BundleError(f"{self.name} takes inputs {names}; " + "; ".join(
                 x for x in (f"unknown: {unknown}" if unknown else "", f"missing: {missing}" if missing else "") if x))
+        n = self._size(given)
         for k, (dtype, shape) in self.inputs.items():
             v = given[k]
             if not isinstance(v, torch.Tensor):
                 raise BundleError(f"input {k!r} must be a tensor {_describe(dtype, shape)}, got {type(v).__name__}")
-            if v.dtype != dtype or tuple(v.shape) != shape:
-                raise BundleError(f"input {k!r} must be {_describe(dtype, shape)} (as captured), got "
+            if v.dtype != dtype or tuple(v.shape) != tuple(evaluate(x, n) for x in shape):
+                sized = " with n " + "..".join(map(str, self.size["range"])) if self.size else " (as captured)"
+                raise BundleError(f"input {k!r} must be {_describe(dtype, shape)}{sized}, got "
                                   f"{_describe(v.dtype, v.shape)}; to run other shapes, capture again with "
-                                  f"--example-input {k}={_describe(v.dtype, v.shape).replace(' ', '')}")
-        return given
+                                  f"--example-input {k}={_describe(v.dtype, v.shape).replace(' ', '')}"
+                                  + (" or --dynamic" if not self.size else ""))
+        return given, n
 
-    def _source(self, src: dict, env: dict, given: dict) -> Any:
+    def _size(self, given: dict) -> int:
+        """The size n the inputs' dynamic dims share (0 for a bundle of one size), in its range."""
+        if not self.size:
+            return 0
+        sizes = {f"{name}:{d}": given[name].shape[d] for name, d in self.size["dims"]
+                 if isinstance(given.get(name), torch.Tensor) and d < given[name].dim()}
+        low, high = self.size["range"]
+        if len(set(sizes.values())) != 1 or len(sizes) != len(self.size["dims"]):
+            raise BundleError(f"{', '.join(f'{name}:{d}' for name, d in self.size['dims'])} share one size n in "
+                              f"{self.name}; got {sizes}")
+        n = next(iter(sizes.values()))
+        if not low <= n <= high:
+            raise BundleError(f"n = {n} ({', '.join(sizes)}) is out of this bundle's range {low}..{high}: capture again "
+                              f"with --dynamic ...={min(low, n)}..{max(high, n)} if the model takes it")
+        return n
+
+    def _source(self, src: dict, env: dict, given: dict, n: int) -> Any:
         if "arg" in src:
             return given[src["arg"]]
         if "weight" in src:
@@ -115,18 +137,19 @@ class Method:
         if "value" in src:
             return env[src["value"]]
         if "view" in src:
-            return self._source(src["view"], env, given).as_strided(src["shape"], src["stride"], src["offset"])
+            return self._source(src["view"], env, given, n).as_strided(
+                [evaluate(x, n) for x in src["shape"]], [evaluate(x, n) for x in src["stride"]], evaluate(src["offset"], n))
         return src["py"]
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> dict[str, Any]:
-        given = self._bind(args, kwargs)
+        given, n = self._bind(args, kwargs)
         env: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for k, program in enumerate(self.spec["programs"]):
                 for i in program["inputs"]:
-                    env[i["value"]] = self._source(i["from"], env, given)
+                    env[i["value"]] = self._source(i["from"], env, given, n)
                 for j, part in enumerate(program["partitions"]):
-                    outs = self._run(k, j, part, [env[n] for n in self._runners[k, j][1]])
+                    outs = self._run(k, j, part, [env[v] for v in self._runners[k, j][1]], n)
                     env.update(zip((o["value"] for o in part["outputs"]), outs))
                 self._write(program, env)
                 for check in program["checks"]:
@@ -136,7 +159,7 @@ class Method:
                             f"these inputs take another path through the model than the captured ones: the model "
                             f"reads the value of {check['op']} at {check['at']} to decide what to do next; it was "
                             f"{check['equals']!r} when captured and is {got!r} now. Capture again with inputs like these")
-            return {o["name"]: self._source(o["from"], env, given) for o in self.spec["outputs"]}
+            return {o["name"]: self._source(o["from"], env, given, n) for o in self.spec["outputs"]}
 
     def _write(self, program: dict, env: dict) -> None:
         """The program's last outputs are its states' new values: into the states (a partition
@@ -149,7 +172,7 @@ class Method:
             if new.data_ptr() != state.data_ptr() or new.stride() != state.stride():
                 state.copy_(new)
 
-    def _run(self, k: int, j: int, part: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(self, k: int, j: int, part: dict, inputs: list[torch.Tensor], n: int) -> list[torch.Tensor]:
         try:
             outs = self._runners[k, j][0](inputs)
         except Exception as e:
@@ -157,12 +180,13 @@ class Method:
                               f"{part['artifact']}) failed: {type(e).__name__}: {e}") from e
         fixed = []
         for v, o in zip(outs, part["outputs"]):
-            if list(v.shape) != o["shape"] or str(v.dtype).removeprefix("torch.") != o["dtype"]:
+            if list(v.shape) != [evaluate(x, n) for x in o["shape"]] or str(v.dtype).removeprefix("torch.") != o["dtype"]:
                 raise BundleError(f"partition {j} of graph {k} of {self.name} ({part['delegate']}) returned "
                                   f"{_describe(v.dtype, v.shape)} for {o['value']}, the manifest says "
-                                  f"{_describe(o['dtype'], o['shape'])}")
-            if list(v.stride()) != o["stride"] and v.numel() > 1 and 0 not in o["stride"]:
-                v = torch.empty_strided(v.shape, o["stride"], dtype=v.dtype).copy_(v)  # eager's layout, as in Program
+                                  f"{_describe(o['dtype'], o['shape'])}" + (f" with n = {n}" if self.size else ""))
+            stride = dense_strides(tuple(v.shape), tuple(o["order"])) if "order" in o else [evaluate(x, n) for x in o["stride"]]
+            if list(v.stride()) != list(stride) and v.numel() > 1 and 0 not in stride:
+                v = torch.empty_strided(v.shape, stride, dtype=v.dtype).copy_(v)  # eager's layout, as in Program
             fixed.append(v)
         return fixed
 

@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from torchnative.bundle import dynamic
 from torchnative.bundle.build import Compiled, Method
-from torchnative.bundle.format import SCHEMA, WEIGHTS, BundleError, sha256, write
+from torchnative.bundle.format import OLDEST, SCHEMA, WEIGHTS, BundleError, sha256, write
 from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph, is_weight
@@ -23,6 +24,7 @@ from torchnative.passes import pin
 from torchnative.passes.state import SLICE_UPDATE
 from torchnative.runtime import trace
 from torchnative.runtime.program import Program, Step
+from torchnative.sizes import SIZES, dense_order
 from torchnative.toolchain import versions
 
 def _dtype(t: torch.Tensor) -> str:
@@ -65,6 +67,7 @@ class _Writer:
         self.method = ""  # the method being written
         self.inputs: list[str] = []  # its argument names
         self.values: list[list[str]] = []  # per program of it already written: its output values' names
+        self.symbols: list[dict] = []  # per program of it: its symbols as (coef, const) of n (Method.symbols)
 
     def weight(self, t: torch.Tensor, fallback: str) -> str:
         name = self.weight_ids.get(id(t))
@@ -112,13 +115,33 @@ class _Writer:
         record = {"delegate": delegate, **self.file(f"g{k}_p{j}", delegate, payload), "meta": meta,
                   "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
                   "inputs": [name(n) for n in inputs],
-                  "outputs": [{"value": name(n), "stride": list(n.meta["val"].stride()), **_spec(n.meta["val"])}
-                              for n in step.outputs],
+                  "outputs": [{"value": name(n), **self.layout(k, n)} for n in step.outputs],
                   "compile_s": round(step.compile_s, 3)}
         if built is not None and step.delegate == eager.name:
             record["fallback"] = {**self.file(f"g{k}_p{j}", eager.name, _exported(step.graph)),
                                   "inputs": [name(n) for n in step.reads]}
         return record
+
+    def layout(self, k: int, n: fx.Node) -> dict:
+        """A graph value's dtype, shape and strides; in a method whose sizes follow n, each that
+        follows it as an expression in n, and a dense value's layout as the order of its dims."""
+        val = n.meta["val"]
+        rules = n.meta.get(SIZES)
+        if not rules:
+            return {**_spec(val), "stride": list(val.stride())}
+
+        def size(kind: str, d: int, value: int) -> int | str:
+            rule = rules.get((kind, d))
+            if rule is None:
+                return value
+            coef, const = self.symbols[k][rule.symbol]
+            return dynamic.expr(rule.coef * coef, rule.coef * const + rule.const)
+
+        shape = [size("shape", d, v) for d, v in enumerate(val.shape)]
+        order = dense_order(tuple(val.shape), val.stride())
+        layout = {"order": list(order)} if order is not None else \
+            {"stride": [size("stride", d, v) for d, v in enumerate(val.stride())]}
+        return {"dtype": _dtype(val), "shape": shape, **layout}
 
     def file(self, stem: str, delegate: str, payload: bytes) -> dict:
         path = f"partitions/{self.method}_{stem}_{delegate}.{REGISTRY[delegate].extension}"
@@ -153,11 +176,14 @@ class _Writer:
                 "outputs": outputs, "checks": checks, "writes": [w["state"] for w in writes]}
 
     def method_record(self, name: str, method: Method) -> dict:
-        self.method, self.inputs, self.values = name, list(method.inputs), []
+        self.method, self.inputs, self.values, self.symbols = name, list(method.inputs), [], method.symbols
         programs = [self.program(k, s) for k, s in enumerate(method.trace.steps)]
         outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(method.output_names, method.trace.outputs))]
-        return {"inputs": [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()],
-                "outputs": outputs, "programs": programs}
+        sized = {tuple(d) for d in method.size["dims"]} if method.size else set()
+        inputs = [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()]
+        for i in inputs:
+            i["shape"] = ["n" if (i["name"], d) in sized else size for d, size in enumerate(i["shape"])]
+        return {"inputs": inputs, "outputs": outputs, "programs": programs, **({"size": method.size} if method.size else {})}
 
     def files_and_manifest(self, model: str) -> dict[str, bytes]:
         from safetensors.torch import save
@@ -166,7 +192,8 @@ class _Writer:
         self.files[WEIGHTS] = save(self.weights)
         delegates = {p["delegate"] for m in methods.values() for g in m["programs"] for p in g["partitions"]}
         manifest = {
-            "schema": SCHEMA, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # a bundle a schema-2 reader runs is written as 2
+            "schema": SCHEMA if any("size" in m for m in methods.values()) else OLDEST, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "toolchain": versions(p for d in delegates for p in REGISTRY[d].toolchain),
             "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),
                         "tensors": {n: _spec(t) for n, t in self.weights.items()}},

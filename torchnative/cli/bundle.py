@@ -125,9 +125,12 @@ def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
                    "or one call of the model")
 @click.option("--cache-len", default=128, show_default=True, help="KV cache positions (prompt + new tokens) of a generating bundle")
 @click.option("--prefill-len", default=16, show_default=True, help="tokens per prefill call of a generating bundle")
+@click.option("--dynamic", default=None, metavar="NAME:DIM[,NAME:DIM...]=LOW..HIGH",
+              help="input dims that share one size, and its range: the bundle takes any size in it, e.g. "
+                   "input_ids:1,attention_mask:1=2..512")
 def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
                         quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
-                        cache_len: int, prefill_len: int) -> int:
+                        cache_len: int, prefill_len: int, dynamic: str | None) -> int:
     """Capture MODEL, compile its graphs for the targets, and write a bundle that runs without
     the model's Python code: a causal LM's prefill and decode over a static KV cache (the
     bundle's state; `torchnative run BUNDLE --generate N`), else one call of the model.
@@ -140,7 +143,7 @@ def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...]
 
     try:
         return _capture_and_compile(model, config, example_inputs, targets, quantize, pins, out, generate,
-                                    cache_len, prefill_len)
+                                    cache_len, prefill_len, dynamic)
     except (BundleError, ModelSpecError) as e:
         click.echo(f"torchnative capture-and-compile: {e}", err=True)
         return 2
@@ -148,11 +151,11 @@ def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...]
 
 def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
                          quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
-                         cache_len: int, prefill_len: int) -> int:
+                         cache_len: int, prefill_len: int, dynamic: str | None) -> int:
     from torchnative import events
     from torchnative.bundle import load
-    from torchnative.bundle.build import (capture_call, compile_generation, compile_trace, generates, method,
-                                          prepare_model, weight_names, Compiled)
+    from torchnative.bundle.build import compile_call, compile_generation, generates
+    from torchnative.bundle.dynamic import parse as parse_dynamic
     from torchnative.bundle.save import save
     from torchnative.inspector.report import console
 
@@ -164,9 +167,9 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
         task = progress.add_task(f"building {model}", total=None)
         net, given, described = _model(model, config)
         generate = generates(net) if generate is None else generate
-        if generate and example_inputs:
-            raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens; --example-input "
-                                   "is for one call (--no-generate)")
+        if generate and (example_inputs or dynamic):
+            raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens (a prompt of any "
+                                   "length runs in chunks); --example-input and --dynamic are for one call (--no-generate)")
         pinned = _pin(net, pins)
         tasks: dict[str, int] = {}
 
@@ -189,12 +192,9 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
                 inputs = {}
             else:
                 inputs = _inputs(net, given, example_inputs)
-                reference = prepare_model(net, inputs)
-                progress.update(task, description="capturing one call (eager)")
-                trace, run_inputs, output = capture_call(net, inputs)
-                progress.update(task, description=f"captured {len(trace.steps)} graph(s)")
-                trace = compile_trace(trace, run_inputs, target_list, quantize)
-                result = Compiled({"forward": method(inputs, trace, output, reference)}, weight_names(net))
+                sized = parse_dynamic(dynamic) if dynamic else None
+                progress.update(task, description="capturing one call (eager)" + (" at three sizes" if sized else ""))
+                result = compile_call(net, inputs, target_list, quantize, sized)
         finally:
             stop()
         progress.update(task, total=1, completed=1)
@@ -280,8 +280,12 @@ def run(bundle: str, inputs: tuple[str, ...], save_to: str | None, method: str |
 
 
 def _expected(method) -> dict:
+    """Each input's dtype, shape (a dynamic one's at the size it was captured with) and value range."""
+    from torchnative.bundle.dynamic import evaluate
+
     ranges = {i["name"]: i.get("range") for i in method.spec["inputs"]}
-    return {n: (dtype, shape, ranges[n]) for n, (dtype, shape) in method.inputs.items()}
+    n = method.size["example"] if method.size else 0
+    return {k: (dtype, tuple(evaluate(x, n) for x in shape), ranges[k]) for k, (dtype, shape) in method.inputs.items()}
 
 
 def _call(loaded, bundle: str, inputs: tuple[str, ...], name: str | None, save_to: str | None) -> int:

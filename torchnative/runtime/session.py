@@ -23,7 +23,7 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
         if tracer is not None:
             if stand_in:  # a replay would keep eager's program after the delegates' one is ready
                 tracer.refuse("a graph of it is compiling in the background")
-            tracer.ran(program, inputs, values, roots)
+            tracer.ran(program, inputs, values, roots, (node, sig))
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values

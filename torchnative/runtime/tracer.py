@@ -27,14 +27,17 @@ class Tracer:
 
     def __init__(self) -> None:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
+        self.recorded: list[tuple] = []   # per run: the graph's (trie node, signature)
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
         self.changes = module_changes()
 
-    def ran(self, program: Any, inputs: list, values: list, roots: list) -> None:
-        """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values."""
+    def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: tuple = ()) -> None:
+        """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values.
+        `recorded`: the graph's (trie node, signature)."""
         n = len(values) - len(roots)
         self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
+        self.recorded.append(recorded)
 
     def eager(self, op: Any, args: tuple, out: Any) -> None:
         """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""
