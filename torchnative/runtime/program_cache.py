@@ -23,7 +23,7 @@ from torchnative.passes.pin import pin
 from torchnative.runtime import calibration
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.program import Program, baked_state
-from torchnative.runtime.templates import confirm, forget as forget_templates, skeleton, template_for
+from torchnative.runtime.templates import Template, confirm, forget as forget_templates, skeleton, template_for
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -178,8 +178,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
         return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
     p = build_program(graph or build_graph(node, sig), delegates, inputs, quantize,
                       calibration_sets=calibration.sets((node, sig)))
-    if graph is not None:
-        node.narrow(p.ranges)
+    _took(node, p)
     candidates.append(p)
     events.STATS.graphs_built += 1
     return Found(p, False, False)
@@ -227,8 +226,15 @@ def _adopt(key: tuple, candidates: list[Program]) -> None:
         pin(t, "written while the program that baked it compiled in the background (updated at test "
                "time): now an input of every program, never baked, folded or quantized")
     if not written:
+        _took(key[0], p)
         candidates.append(p)
         events.STATS.graphs_built += 1
+
+
+def _took(built_for: TrieNode | Template, p: Program) -> None:
+    """A template takes no size beyond the ranges its program's delegates took."""
+    if isinstance(built_for, Template):
+        built_for.narrow(p.ranges)
 
 
 def wait_for_compiles() -> None:
