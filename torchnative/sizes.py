@@ -275,11 +275,12 @@ def export_sized(module: torch.nn.Module, examples: tuple, dynamic: tuple | None
     except UserError as e:
         if dynamic is None or "Constraints violated" not in str(e):
             raise
-        refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, dynamic)
+        violation = e.msg
+    refined = refine_dynamic_shapes_from_suggested_fixes(violation, dynamic)
     specialized = [d for spec, given in zip(refined, dynamic) if spec and given
                    for d in given if isinstance(spec.get(d), int)]
     if specialized:
-        raise ValueError(f"the export specializes dims that vary between calls to one size ({e.msg.splitlines()[0]})")
+        raise ValueError(f"the export specializes dims that vary between calls to one size ({violation.splitlines()[0]})")
     return torch.export.export(module, examples, dynamic_shapes=refined)
 
 

@@ -33,9 +33,9 @@ def is_plain(spec: Any, outputs: bool = False) -> bool:
 def object_state(x: Any, depth: int = 3, read: "Snapshot | None" = None, place: tuple | None = None) -> Any:
     """An argument object's Python state (a KV cache: its layers, their tensors and counters):
     scalars by value, tensors by metadata, objects by type and state, those deeper than `depth`
-    by identity. `read` is told what the walk
-    looked at: the containers, and each tensor with its `place` (where it sits: (list, index),
-    (dict, key) or (object, attribute); None in a tuple), which a replay reads and writes."""
+    by identity. `read` is told what the walk looked at: the containers, and each tensor with its
+    `place` (where it sits: (list, index), (dict, key) or (object, attribute); None in a tuple),
+    which a replay reads and writes."""
     tp = type(x)
     if tp in SCALARS:  # first: most fields are; isinstance of torch.Tensor costs a metaclass call
         return x
@@ -112,8 +112,13 @@ class Snapshot:
         return obj is self.obj and _contents(self.containers) == self._contents and _metadata(self.tensors) == self._meta
 
     def values(self) -> list[torch.Tensor]:
-        """Its tensors as real tensors (one made under capture, a cache's, is a lazy wrapper)."""
-        return [t._value if type(t) is LazyTensor and t._value is not None else t for t in self.tensors]
+        return [real(t) for t in self.tensors]
+
+
+def real(t: torch.Tensor) -> torch.Tensor:
+    """The real tensor behind one an object holds (one made under capture, a cache's, is a lazy
+    wrapper)."""
+    return t._value if type(t) is LazyTensor and t._value is not None else t
 
 
 class _State:

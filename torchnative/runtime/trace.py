@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from torchnative.runtime.guard import real
 from torchnative.runtime.program import baked_state
-from torchnative.shim import LazyTensor
 
 # Bumped whenever a watched module (one of an accelerated model's) (re)registers a parameter or
 # buffer or has any attribute set (`bn.momentum = m`, `bn.eval()`, a forward's
@@ -80,8 +80,7 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
     if kind == "out":
         return produced[src[1]][src[2]]
     if kind == "field":  # a tensor an argument object holds: where it sits now
-        t = snapshots[src[1]].tensors[src[2]]
-        return t._value if type(t) is LazyTensor else t
+        return real(snapshots[src[1]].tensors[src[2]])
     if kind == "view":
         return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
     return src[1]  # "const", "py"
@@ -139,7 +138,7 @@ class Trace:
         snapshots were taken at) as constants: what a bundle saves by identity."""
         def const(src: tuple) -> tuple:
             if src[0] == "field":
-                return ("const", snapshots[src[1]].values()[src[2]])
+                return ("const", real(snapshots[src[1]].tensors[src[2]]))
             return ("view", const(src[1]), *src[2:]) if src[0] == "view" else src
 
         steps = tuple(replace(s, sources=tuple(map(const, s.sources)), writes=tuple(map(const, s.writes)))
