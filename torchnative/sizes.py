@@ -126,6 +126,12 @@ class Sizes:
     defs: list[int]            # per symbol: the position of the integer (an input's dim) it is read from
     ranges: list[tuple[int, int]]
 
+    def narrowed(self, ranges: dict) -> "Sizes":
+        """These rules, each symbol's range narrowed to `ranges` (symbol -> (low, high))."""
+        both = narrowest(dict(enumerate(self.ranges)), ranges)
+        rules = [replace(r, low=both[r.symbol][0], high=both[r.symbol][1]) if r.symbol >= 0 else r for r in self.rules]
+        return replace(self, rules=rules, ranges=[both[j] for j in range(len(self.ranges))])
+
     def match(self, flat: Flat) -> list[int] | None:
         """The symbols' values for a graph of this structure whose every integer follows its
         rule, else None."""
@@ -165,9 +171,8 @@ def fit(a: Flat, b: Flat) -> Sizes | None:
         rules[k] = rule
     if not defs:
         return None
-    ranges = _ranges(rules, b.where, len(defs))
-    rules = [replace(r, low=ranges[r.symbol][0], high=ranges[r.symbol][1]) if r.symbol >= 0 else r for r in rules]
-    return Sizes(b.structure, rules, defs, ranges)
+    unbounded = Sizes(b.structure, rules, defs, [(_LOW, HIGH)] * len(defs))
+    return unbounded.narrowed(dict(enumerate(_ranges(rules, b.where, len(defs)))))
 
 
 def _ranges(rules: list[Rule], where: list, n: int) -> list[tuple[int, int]]:
@@ -186,6 +191,53 @@ def is_symbolic(gm: fx.GraphModule) -> bool:
 def shape_rules(node: fx.Node) -> dict[int, Rule]:
     """The dims of a node's value that follow a symbol."""
     return {w[1]: r for w, r in node.meta.get(SIZES, {}).items() if w[0] == "shape"}
+
+
+def symbol_sources(placeholders: list[fx.Node]) -> dict[int, tuple[int, int, Rule]]:
+    """Per symbol, where a graph's inputs carry it: (placeholder index, dim, its rule there)."""
+    found: dict[int, tuple[int, int, Rule]] = {}
+    for k, p in enumerate(placeholders):
+        for d, r in shape_rules(p).items():
+            found.setdefault(r.symbol, (k, d, r))
+    return found
+
+
+def symbol_values(gm: fx.GraphModule) -> dict[int, int]:
+    """Each symbol's value in the graph as recorded, read from its inputs' shapes."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    return {j: (placeholders[k].meta["val"].shape[d] - r.const) // r.coef
+            for j, (k, d, r) in symbol_sources(placeholders).items()}
+
+
+def bucket(size: int) -> int:
+    """The largest size a program built at `size` takes on a delegate that plans its memory for
+    the largest (ExecuTorch): the power of two at least twice it. A program per doubling, none
+    sized for the million a rule allows."""
+    return 1 << (2 * size - 1).bit_length()
+
+
+def narrowest(*ranges: dict) -> dict[int, tuple[int, int]]:
+    """Each symbol's range in all of `ranges` (symbol -> (low, high); keys as text read as ints)."""
+    both: dict[int, tuple[int, int]] = {}
+    for given in ranges:
+        for j, (lo, hi) in given.items():
+            old = both.get(int(j), (lo, hi))
+            both[int(j)] = (max(old[0], lo), min(old[1], hi))
+    return both
+
+
+def bounded(gm: fx.GraphModule) -> dict[str, list[int]]:
+    """`gm`'s rules with an upper bound: a symbol no range bounds (HIGH) up to the bucket of its
+    size as recorded. Each symbol's range, by symbol (as text: it goes into JSON). The nodes'
+    size meta is replaced, not edited: a graph's copy shares it with the original."""
+    highs = {j: bucket(v) for j, v in symbol_values(gm).items()}
+    ranges: dict[str, list[int]] = {}
+    for n in gm.graph.nodes:
+        if SIZES in n.meta:
+            n.meta[SIZES] = {w: replace(r, high=highs[r.symbol]) if r.symbol >= 0 and r.high == HIGH else r
+                             for w, r in n.meta[SIZES].items()}
+            ranges.update((str(r.symbol), [r.low, r.high]) for r in n.meta[SIZES].values() if r.symbol >= 0)
+    return ranges
 
 
 def argument_symbols(nodes: list[fx.Node]) -> set[int]:

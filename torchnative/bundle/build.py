@@ -146,7 +146,8 @@ def _dynamic_method(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ref
         raise BundleError(f"the call records another number of graphs at n = {ns[0]}, {ns[1]} and {ns[2]} (its graph "
                           f"breaks depend on n): it cannot be compiled for a range of n")
     steps, outputs = dynamic_sizes.sized_sources([c.trace for c in captured], ns)
-    sized = [dynamic_sizes.template(k, [c.recorded[k] for c in captured], ns, captured[1].run_inputs[k], targets, quantize)
+    sized = [dynamic_sizes.template(k, [c.recorded[k] for c in captured], ns, captured[1].run_inputs[k], targets, quantize,
+                                    dynamic)
              for k in range(len(steps))]
     low, high = max(s.low for s in sized), min(s.high for s in sized)
     if low > dynamic.low or high < dynamic.high:

@@ -22,7 +22,7 @@ from torchnative.delegates import resolve
 from torchnative.recording.trie import flatten
 from torchnative.runtime.pipeline import build_program
 from torchnative.runtime.templates import annotated
-from torchnative.sizes import fit
+from torchnative.sizes import fit, narrowest
 
 _SPEC = re.compile(r"^((?:[\w.]+:\d+,)*[\w.]+:\d+)=(\d+)\.\.(\d+)$")
 _EXPR = re.compile(r"^(?:(\d+)\*)?n([+-]\d+)?$")
@@ -104,8 +104,8 @@ class Sized:
 
 
 def template(k: int, recorded: list[tuple], ns: list[int], run_inputs: list, targets: Sequence[str] | None,
-             quantize: str | None) -> Sized:
-    """Graph k of the call, recorded at the sizes `ns`, as one program for every n."""
+             quantize: str | None, dynamic: Dynamic) -> Sized:
+    """Graph k of the call, recorded at the sizes `ns`, as one program for every n of the range."""
     flats = [flatten(*r) for r in recorded]
     sizes = fit(flats[0], flats[1])
     values = [sizes.match(f) if sizes is not None else None for f in flats]
@@ -121,10 +121,13 @@ def template(k: int, recorded: list[tuple], ns: list[int], run_inputs: list, tar
             raise BundleError(f"graph {k} of the call has a size that follows no rule a*n + c of n: it cannot be "
                               f"compiled for a range of n")
         symbols[j] = (coef, const)
+    # compiled for the range asked (a delegate that plans memory for the largest size plans for its high)
+    sizes = sizes.narrowed({j: (coef * dynamic.low + const, coef * dynamic.high + const)
+                            for j, (coef, const) in symbols.items()})
     program = build_program(annotated(*recorded[1], sizes, flats[1]), resolve(targets), run_inputs, quantize,
                             keep_artifacts=True)
-    for j, (lo, hi) in enumerate(sizes.ranges):  # the rules' ranges, narrowed by what the delegates took
-        lo, hi = max(lo, program.ranges.get(j, (lo, hi))[0]), min(hi, program.ranges.get(j, (lo, hi))[1])
+    # the rules' ranges, narrowed by what the delegates took
+    for j, (lo, hi) in narrowest(dict(enumerate(sizes.ranges)), program.bounds).items():
         coef, const = symbols[j]
         low.append(-((const - lo) // coef))
         high.append((hi - const) // coef)

@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from torchnative import sizes
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
 from torchnative.quiet import quiet_import
@@ -41,9 +42,11 @@ def _edge_name(op: torch._ops.OpOverload) -> str:
 # Llama, ViT); a fusion pass to `linear` would win them back
 _DECLINED = frozenset({"addmm.default", "mm.default", "bmm.default", "pow.Tensor_Scalar", "mean.dim", "cat.default"})
 
-# what may stay outside the XNNPACK blob: data movement the portable runtime does cheaply
+# what may stay outside the XNNPACK blob: data movement the portable runtime does cheaply, and
+# the integer arithmetic on sizes of a graph whose sizes vary (torchnative.sizes)
 _CHEAP = ("view_copy", "permute_copy", "unsqueeze_copy", "squeeze_copy", "expand_copy", "slice_copy",
-          "select_copy", "clone", "_to_dim_order_copy", "_clone_dim_order", "alias_copy")
+          "select_copy", "clone", "_to_dim_order_copy", "_clone_dim_order", "alias_copy",
+          "sym_size", "<built-in function")
 
 
 def _check_all_delegated(graph: fx.Graph) -> None:
@@ -64,7 +67,7 @@ class Xnnpack:
     toolchain = ("executorch",)
     extension = "pte"
     calibrates = False
-    dynamic = False  # static shapes: the partitioner leaves nodes whose sizes vary to eager
+    dynamic = True  # dynamic dims with an upper bound: sizes.bucket
 
     def available(self) -> Availability:
         if importlib.util.find_spec("executorch") is None:
@@ -98,16 +101,24 @@ class Xnnpack:
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.exir import to_edge_transform_and_lower
 
+        meta = {"n_inputs": graph.runtime_inputs(), "n_outputs": len(graph.output_roles)}
+        if sizes.is_symbolic(graph.gm):
+            # ExecuTorch plans memory for a symbol's largest size: this program takes sizes up to
+            # the bucket of the size it was recorded at (the program cache builds one per bucket)
+            graph = graph.copy()
+            meta["bounds"] = sizes.bounded(graph.gm)
         # dense: the runner passes contiguous inputs; a .pte exported for permuted ones (a RoPE
         # partition's q and k) takes them in that dim order, and XNNPACK refuses the contiguous ones
         exported = graph.to_exported_program(dense=True)
+        ranges = sizes.exported_ranges(exported, graph.gm)
+        if ranges:
+            meta["ranges"] = ranges
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
             _check_all_delegated(edge.exported_program().graph_module.graph)
             program = edge.to_executorch()
-        n_inputs = graph.runtime_inputs()
-        return Artifact(self.name, bytes(program.buffer), {"n_inputs": n_inputs, "n_outputs": len(graph.output_roles)})
+        return Artifact(self.name, bytes(program.buffer), meta)
 
     def load(self, artifact: Artifact) -> Runner:
         with quiet_import():

@@ -18,6 +18,7 @@ from torchnative.passes import prepare
 from torchnative.runtime.load import load
 from torchnative.runtime.lower import lower
 from torchnative.runtime.program import Program, Step
+from torchnative.sizes import narrowest
 
 
 def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
@@ -37,19 +38,16 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
         placeholders = graph.placeholders()
         steps = [Step(EAGER, graph, placeholders, placeholders, graph.outputs(), eager.load(eager.compile(graph)))]
     program = Program(captured, graph, steps, derived.tensors, sorted(_baked(graph, steps) | derived.sources),
-                      inputs, lowered.declined, _ranges(lowered))
+                      inputs, lowered.declined, _ranges(lowered, "ranges"), _ranges(lowered, "bounds"))
     events.emit(events.ProgramBuilt(program, time.perf_counter() - started))
     return program
 
 
-def _ranges(lowered) -> dict[int, tuple[int, int]]:
-    """The symbols' ranges the partitions' artifacts take, where narrower than their rules'."""
-    ranges: dict[int, tuple[int, int]] = {}
-    for part in lowered.partitions:
-        for j, (lo, hi) in (part.artifact.meta.get("ranges", {}) if part.artifact else {}).items():
-            old = ranges.get(int(j), (lo, hi))
-            ranges[int(j)] = (max(old[0], lo), min(old[1], hi))
-    return ranges
+def _ranges(lowered, kind: str) -> dict[int, tuple[int, int]]:
+    """The symbols' ranges the partitions' artifacts take, where narrower than their rules':
+    "ranges" what the graph itself takes (torch.export found), "bounds" the sizes a program was
+    built for (sizes.bucket)."""
+    return narrowest(*(part.artifact.meta.get(kind, {}) for part in lowered.partitions if part.artifact))
 
 
 def _baked(graph: CapturedGraph, steps: list[Step]) -> set[int]:

@@ -18,7 +18,7 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Artifact
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER
-from torchnative.sizes import SIZES, dense_order, dense_strides
+from torchnative.sizes import SIZES, dense_order, dense_strides, narrowest, symbol_sources
 
 
 class CapturedOpError(RuntimeError):
@@ -76,16 +76,21 @@ def _eager_layout(value: torch.Tensor, shape: torch.Size | None, want: tuple | N
 
 class Program:
     def __init__(self, captured: CapturedGraph, graph: CapturedGraph, steps: list[Step], extra: list[torch.Tensor],
-                 baked: list[int], inputs: list[torch.Tensor], declined: tuple = (), ranges: dict | None = None):
+                 baked: list[int], inputs: list[torch.Tensor], declined: tuple = (), ranges: dict | None = None,
+                 bounds: dict | None = None):
         """`captured`: the graph as recorded, what a program for other delegates is built from;
         `graph`: as the passes prepared it, which `steps` run; `extra`: constants the passes
         computed, appended to every call's inputs; `baked`: the indices of `inputs` (the
         prepared graph's, `extra` included) that a delegate baked in or a pass computed from;
         `declined`: (op, delegate, reason) of every node a delegate declined; `ranges`: symbol ->
         the range its delegates' artifacts take, where narrower than the graph's rules say
-        (torchnative.sizes)."""
+        (torchnative.sizes); `bounds`: narrower still, the sizes this program was built for (a
+        program per bucket, sizes.bucket), which `valid_for` checks."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
         self.ranges = ranges or {}
+        self.bounds = narrowest(self.ranges, bounds or {})
+        sources = symbol_sources(captured.placeholders())
+        self._bounded = [(*sources[j], lo, hi) for j, (lo, hi) in self.bounds.items()]
         self.baked = [(i, weakref.ref(inputs[i]), baked_state(inputs[i])) for i in baked]
         # their memory, held: another tensor given it (a new weight of the same size, after `p.data =`
         # freed this one's) would pass a check of its address
@@ -101,11 +106,12 @@ class Program:
         return any((t := ref()) is None or baked_state(t) != state for _, ref, state in self.baked)
 
     def valid_for(self, inputs: list[torch.Tensor]) -> bool:
-        """Baked params must be the same tensors, unchanged since they were baked."""
+        """Baked params must be the same tensors, unchanged since they were baked; sizes within
+        the program's bounds."""
         for i, ref, state in self.baked:
             if inputs[i] is not ref() or baked_state(inputs[i]) != state:
                 return False
-        return True
+        return all(lo <= (inputs[k].shape[d] - r.const) // r.coef <= hi for k, d, r, lo, hi in self._bounded)
 
     def changed(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Baked params that are the same tensors as when baked, written or given other memory since

@@ -19,6 +19,7 @@ from torchnative.recording import reset as forget_recordings
 from torchnative.recording.trie import INPUT, TrieNode, Signature, build_graph
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
+from torchnative.ir import CapturedGraph
 from torchnative.passes.pin import pin
 from torchnative.runtime import calibration
 from torchnative.runtime.pipeline import build_program
@@ -126,14 +127,14 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     whose op sequence was recorded at other sizes runs the program of the template it matches
     (runtime/templates.py): a confirmed one's at once (sizes that changed twice change again), a
     candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
-    graph = None  # what a miss builds: the recorded graph, or the template it matches
+    recorded = node  # a miss builds its graph, or the template it matches at its sizes
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
         calibration.keep((node, sig), inputs)
         delegates = (eager,)
     elif delegates != (eager,):
         template = template_for(node, sig)
         if template is not None and template.confirmed:
-            node, graph, compile_after = template, template.graph, 1
+            node, compile_after = template, 1
         elif _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
             events.STATS.not_compiled["sizes vary"] += 1
             return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_VARYING)
@@ -147,7 +148,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
                 _pin_written_since_first_run(node, sig, delegates, inputs)
                 if template is not None:  # one compile serves both sizes the candidate was fitted to
                     confirm(template)
-                    node, graph = template, template.graph
+                    node = template
     differentiated = quantize is not None and _under_autograd(inputs)
     if differentiated:
         quantize = None
@@ -171,17 +172,23 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     candidates[:] = [p for p in candidates if not p.stale()]
     if background and delegates != (eager,) and not calibration.active():
         if key not in _building:
-            job = _submit(build_program, graph or build_graph(node, sig), delegates, list(inputs), quantize,
+            job = _submit(build_program, _graph(node, recorded, sig), delegates, list(inputs), quantize,
                           calibration_sets=calibration.sets((node, sig)))
             _building[key] = (job, list(inputs), [_state(t) for t in inputs])
         events.STATS.compiling_runs += 1
         return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
-    p = build_program(graph or build_graph(node, sig), delegates, inputs, quantize,
+    p = build_program(_graph(node, recorded, sig), delegates, inputs, quantize,
                       calibration_sets=calibration.sets((node, sig)))
     _took(node, p)
     candidates.append(p)
     events.STATS.graphs_built += 1
     return Found(p, False, False)
+
+
+def _graph(built_for: TrieNode | Template, recorded: TrieNode, sig: Signature) -> CapturedGraph:
+    """The graph recorded up to `recorded`, annotated with the rules of the template it runs
+    under, if any (runtime/templates.py)."""
+    return built_for.at(recorded, sig) if isinstance(built_for, Template) else build_graph(recorded, sig)
 
 
 def _pin_written_since_first_run(node: TrieNode, sig: Signature, delegates: tuple, inputs: list) -> None:
@@ -194,8 +201,8 @@ def _pin_written_since_first_run(node: TrieNode, sig: Signature, delegates: tupl
     roles = [n.role for n in node.path() if n.op == INPUT]
     for t, role, (ref, state) in zip(inputs, roles, first):
         if role == "param" and ref is not None and ref() is t and _state(t) != state:
-            pin(t, f"written between two runs of a graph before it compiled (updated at test time): now an "
-                   f"input of every program, never baked, folded or quantized")
+            pin(t, "written between two runs of a graph before it compiled (updated at test time): now an "
+                   "input of every program, never baked, folded or quantized")
 
 
 def _compiled(node: TrieNode, sig: Signature, delegates: tuple, quantize: str | None, inputs: list) -> bool:

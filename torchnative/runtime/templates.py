@@ -31,9 +31,13 @@ class Template:
 
     def narrow(self, ranges: dict[int, tuple[int, int]]) -> None:
         """Sizes out of these ranges (what a program's delegates took) match it no more."""
-        for j, (lo, hi) in ranges.items():
-            old = self.sizes.ranges[j]
-            self.sizes.ranges[j] = (max(old[0], lo), min(old[1], hi))
+        self.sizes = self.sizes.narrowed(ranges)
+
+    def at(self, node: TrieNode, sig: Signature) -> CapturedGraph:
+        """The template at the sizes of the graph recorded up to `node` (one that matches it):
+        what a program for those sizes is built from (a delegate that plans memory for the
+        largest size builds one per bucket of sizes, sizes.bucket)."""
+        return annotated(node, sig, self.sizes, flatten(node, sig))
 
 
 _skeletons: dict[TrieNode, tuple] = {}
