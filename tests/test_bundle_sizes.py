@@ -94,3 +94,68 @@ def test_sizes_that_follow_no_rule_are_refused():
 def test_a_malformed_range_is_refused(spec, message):
     with pytest.raises(BundleError, match=message):
         parse(spec)
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory):
+    """BERT for IREE's CPU backend, which compiles static shapes: the range as buckets."""
+    out = tmp_path_factory.mktemp("buckets") / "bert.bundle"
+    model = models.transformers_model("BertModel", "tiny")
+    save(compile_call(model, _inputs(8), ["iree-cpu"], dynamic=parse(f"{DIMS}=2..40")), out, "test")
+    return out, model
+
+
+def test_static_targets_run_a_range_as_padded_buckets(bucketed, tmp_path):
+    bundle, model = bucketed
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    forward = manifest["methods"]["forward"]
+    assert manifest["schema"] == 4
+    assert [(b["n"], b["padded"]) for b in forward["buckets"]] == [(16, True), (32, True), (40, True), (40, False)]
+    assert forward["outputs"] == [{"name": "last_hidden_state", "slice": [[1, "n"]]}, {"name": "pooler_output", "slice": []}]
+    loaded = torchnative.load(bundle)
+    assert list(loaded.methods) == ["forward"] and not loaded.fallbacks  # every bucket's partitions run on IREE
+    # the edges of each bucket: padded up to it, its own size (the next bucket), the top (unpadded)
+    for n in (2, 15, 16, 17, 32, 39, 40):
+        with torch.no_grad():
+            expected = model(**_inputs(n))
+        got = loaded(**_inputs(n))
+        assert got["last_hidden_state"].shape == (1, n, 64)
+        torch.testing.assert_close(got["last_hidden_state"], expected.last_hidden_state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["pooler_output"], expected.pooler_output, rtol=1e-4, atol=1e-5)
+    got = _fresh_run(bundle, _inputs(23), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(got["last_hidden_state"], model(**_inputs(23)).last_hidden_state, rtol=1e-4, atol=1e-5)
+    with pytest.raises(BundleError, match=r"n = 41 .* is out of this bundle's range 2..40"):
+        loaded(**_inputs(41))
+
+
+class _Unmasked(torch.nn.Module):
+    """Takes a mask and ignores it: every position's output mixes all positions, padding too."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 8)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids)
+        return h + h.mean(1, keepdim=True)
+
+
+def test_buckets_refuse_a_model_that_does_not_mask_the_padding():
+    with pytest.raises(BundleError, match=r"padding n = 2 to 16 changes output 'output' .* does not mask the padded"):
+        compile_call(_Unmasked(), _inputs(8), ["iree-cpu"], dynamic=parse(f"{DIMS}=2..40"))
+    with pytest.raises(BundleError, match=r"--dynamic names no attention_mask dim"):
+        compile_call(_Unmasked(), _inputs(8), ["iree-cpu"], dynamic=parse("input_ids:1=2..40"))
+
+
+def test_a_bucket_the_manifest_lacks_is_refused(bucketed, tmp_path):
+    import shutil
+
+    bundle, _ = bucketed
+    damaged = tmp_path / "damaged.bundle"
+    shutil.copytree(bundle, damaged)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    del manifest["methods"]["forward_32"]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match=r"runs as buckets \['forward_32'\] that the manifest does not hold"):
+        torchnative.load(damaged)

@@ -109,3 +109,27 @@ def test_a_calibration_set_widens_the_activation_ranges(cache):
     alone, calibrated = error([]), error([torch.randn(8, 16) * 10 for _ in range(4)])
     print(f"relative L2 on large inputs: calibrated on the small input alone {alone:.3g}, with a set of large ones {calibrated:.3g}")
     assert calibrated < 0.05 and alone > 10 * calibrated  # 0.05: the bound of the model tests above
+
+
+def test_a_range_of_sizes_runs_as_padded_buckets_on_htp(cache, tmp_path):
+    """HTP compiles static shapes: `--dynamic` builds buckets (bundle/buckets.py), each padded with
+    the attention mask's zeros; every size of the range runs on HTP within the quantized bound."""
+    from torchnative.bundle.build import compile_call
+    from torchnative.bundle.dynamic import parse
+    from torchnative.bundle.save import save
+
+    def inputs(n: int) -> dict:
+        ids = torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n))
+        return {"input_ids": ids, "attention_mask": torch.ones(1, n, dtype=torch.long)}
+
+    model = models.transformers_model("BertModel", "tiny")
+    save(compile_call(model, inputs(8), ["qnn"], dynamic=parse("input_ids:1,attention_mask:1=2..40")), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    assert [b[:2] for b in loaded.forward.buckets] == [(16, True), (32, True), (40, True), (40, False)]
+    assert not loaded.fallbacks
+    assert all(any(p["delegate"] == "qnn" for g in m.spec["programs"] for p in g["partitions"]) for *_, m in loaded.forward.buckets)
+    for n in (2, 15, 17, 40):
+        with torch.no_grad():
+            ref = model(**inputs(n)).last_hidden_state
+        got = loaded(**inputs(n))["last_hidden_state"]
+        assert got.shape == ref.shape and ((got - ref).norm() / ref.norm()).item() < 0.05

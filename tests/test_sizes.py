@@ -120,7 +120,7 @@ def test_a_size_that_breaks_a_rule_is_a_graph_of_its_own_and_stays_exact():
 def test_generate_with_the_default_cache_compiles_once_for_any_prompt(name, delegate):
     """transformers' DynamicCache grows by a token each decode step, and each prompt has its
     length: a template for the prefill and one for the decode step serve them all (on XNNPACK,
-    a program per bucket of sizes: all of these fit in one but the first prompt's)."""
+    a program per bucket of sizes)."""
     model, reference = models.build(name), models.build(name)
     torchnative.accelerate(model, delegates=[delegate])
     clear_caches()

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from torchnative.bundle import dynamic as dynamic_sizes
+from torchnative.bundle import buckets, dynamic as dynamic_sizes
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
@@ -36,6 +36,17 @@ class Method:
     symbols: list[dict] = field(default_factory=list)  # per graph: its rules' symbols as (coef, const) of n
 
 
+@dataclass
+class Buckets:
+    """A method run as buckets (bundle/buckets.py): the methods compiled at each bucket's size."""
+    inputs: dict[str, torch.Tensor]    # the example inputs, by argument name
+    output_names: list[str]
+    reference: list                    # eager's flattened outputs on the example inputs
+    size: dict                         # the size n its dynamic dims share (bundle/dynamic.py)
+    buckets: list[tuple[int, bool, str]]  # (size, padded, the method compiled for it)
+    slices: list[list]                 # per output: the dims that follow n, as (dim, expression in n)
+
+
 class Captured(NamedTuple):
     trace: Trace
     run_inputs: list  # per graph run: its inputs
@@ -45,7 +56,7 @@ class Captured(NamedTuple):
 
 @dataclass
 class Compiled:
-    methods: dict[str, Method]         # "forward", or a causal LM's "prefill" and "decode"
+    methods: dict[str, Method | Buckets]  # "forward", or a causal LM's "prefill" and "decode"
     weight_names: dict[int, str]       # id(parameter or buffer) -> its name in the model
     states: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # id -> (name, tensor)
     generation: dict | None = None     # how `Bundle.generate` drives the methods (see `compile_generation`)
@@ -128,6 +139,8 @@ def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], target
     """Capture `model(**inputs)` and compile each of its graphs for `targets` (preference order);
     with `dynamic`, for every size of its dims in the range (bundle/dynamic.py)."""
     reference = prepare_model(model, inputs)
+    if dynamic is not None and not all(d.dynamic for d in resolve(targets)):
+        return _bucketed(model, inputs, reference, targets, quantize, dynamic)
     if dynamic is not None:
         return Compiled({"forward": _dynamic_method(model, inputs, reference, targets, quantize, dynamic)},
                         weight_names(model))
@@ -159,6 +172,36 @@ def _dynamic_method(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ref
                                 steps=tuple(dataclasses.replace(s, program=z.program) for s, z in zip(steps, sized)))
     forward = method(inputs, trace, captured[0].out, reference)
     return dataclasses.replace(forward, size=dynamic.record(example), symbols=[z.symbols for z in sized])
+
+
+def _bucketed(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference: list, targets: Sequence[str] | None,
+              quantize: str | None, dynamic: dynamic_sizes.Dynamic) -> Compiled:
+    """The call compiled at each bucket's size (bundle/buckets.py), for targets that compile static
+    shapes; each padded bucket checked on eager to leave the real positions' outputs unchanged."""
+    buckets.check_masked(dynamic)
+    example = dynamic_sizes.example_size(inputs, dynamic)
+    with torch.no_grad():
+        names = [leaf_name(p) for p, _ in pytree.tree_flatten_with_path(model(**inputs))[0]]
+    slices = buckets.output_slices(model, inputs, dynamic, min(max(example, dynamic.low), dynamic.high - 1))
+    methods: dict[str, Method | Buckets] = {}
+    made, below = [], dynamic.low
+    for size, padded in buckets.sizes(dynamic):
+        name = f"forward_{size}" if padded else f"forward_{size}_unpadded"
+        # captured at the largest n it serves: a delegate that calibrates (QNN) sees real positions
+        n = size - 1 if padded else size
+        at_n = dynamic_sizes.resized(inputs, dynamic, n)
+        if padded:
+            buckets.check_padding(model, inputs, dynamic, below, size, names, slices)  # the most padding it takes
+            expected = buckets.check_padding(model, inputs, dynamic, n, size, names, slices)
+            at_n = buckets.pad(at_n, dynamic.dims, size)
+        else:
+            expected = prepare_model(model, at_n)
+        trace, run_inputs, out, _ = capture_call(model, at_n)
+        methods[name] = method(at_n, compile_trace(trace, run_inputs, targets, quantize), out, expected)
+        made.append((size, padded, name))
+        below = size
+    forward = Buckets(inputs, names, reference, dynamic.record(example), made, slices)
+    return Compiled({"forward": forward, **methods}, weight_names(model))
 
 
 def generates(model: torch.nn.Module) -> bool:

@@ -8,8 +8,12 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
-SCHEMA = 3  # 2: methods and states; 3: sizes as expressions in n (a method's `size`: bundle/dynamic.py)
-OLDEST = 2  # schema 3 reads 2's manifests as they are (it adds to them); a bundle of one size is still written as 2
+# 2: methods and states; 3: sizes as expressions in n (a method's `size`: bundle/dynamic.py); 4: a
+# method run as buckets of sizes (bundle/buckets.py). Each reads the older ones' manifests as they
+# are (it adds to them), and a bundle is written as the oldest schema that holds it.
+SCHEMA = 4
+SIZED = 3
+OLDEST = 2
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

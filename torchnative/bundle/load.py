@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchnative.bundle.buckets import cut, pad, serves
 from torchnative.bundle.dynamic import evaluate
 from torchnative.bundle.format import BundleError, Reader
 from torchnative.delegates import REGISTRY
@@ -63,26 +64,15 @@ def _exported(payload: bytes) -> Callable[[list[torch.Tensor]], list[torch.Tenso
     return lambda inputs: list(module(*inputs))
 
 
-class Method:
-    """One method of a bundle (`forward`, or a causal LM's `prefill` and `decode`):
-    `method(input_ids=t, ...)` (or positionally, in the order of `method.inputs`) returns a dict
-    of output name -> tensor. Its graphs read and write the bundle's states in place."""
+class _Signature:
+    """What a method takes and returns, and the binding of a call's inputs to it."""
 
-    def __init__(self, bundle: "Bundle", name: str, spec: dict, reader: Reader):
-        self.bundle, self.name, self.spec = bundle, name, spec
+    def __init__(self, name: str, spec: dict):
+        self.name, self.spec = name, spec
         self.inputs: dict[str, tuple[torch.dtype, tuple[int | str, ...]]] = {  # a size as an expression in n: bundle/dynamic.py
             i["name"]: (_dtype(i["dtype"]), tuple(i["shape"])) for i in spec["inputs"]}
         self.size: dict | None = spec.get("size")  # the size n dynamic dims share, and its range
         self.outputs = [o["name"] for o in spec["outputs"]]
-        self._runners = {(k, j): _load_partition(reader, part, bundle.weights)
-                         for k, g in enumerate(spec["programs"]) for j, part in enumerate(g["partitions"])}
-        for g in spec["programs"]:
-            unknown = [s for s in g["writes"] if s not in bundle.states]
-            if unknown:
-                raise BundleError(f"method {name!r} of {bundle.path} writes states {unknown} that the manifest does "
-                                  f"not declare: the bundle was tampered with; write it again")
-        # partitions for a delegate that does not execute here, run by their eager fallback: (graph, #, why)
-        self.fallbacks = [(k, j, why) for (k, j), (_, _, why) in self._runners.items() if why]
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, torch.Tensor]:
         names = list(self.inputs)
@@ -126,6 +116,25 @@ class Method:
             raise BundleError(f"n = {n} ({', '.join(sizes)}) is out of this bundle's range {low}..{high}: capture again "
                               f"with --dynamic ...={min(low, n)}..{max(high, n)} if the model takes it")
         return n
+
+
+class Method(_Signature):
+    """One method of a bundle (`forward`, or a causal LM's `prefill` and `decode`):
+    `method(input_ids=t, ...)` (or positionally, in the order of `method.inputs`) returns a dict
+    of output name -> tensor. Its graphs read and write the bundle's states in place."""
+
+    def __init__(self, bundle: "Bundle", name: str, spec: dict, reader: Reader):
+        super().__init__(name, spec)
+        self.bundle = bundle
+        self._runners = {(k, j): _load_partition(reader, part, bundle.weights)
+                         for k, g in enumerate(spec["programs"]) for j, part in enumerate(g["partitions"])}
+        for g in spec["programs"]:
+            unknown = [s for s in g["writes"] if s not in bundle.states]
+            if unknown:
+                raise BundleError(f"method {name!r} of {bundle.path} writes states {unknown} that the manifest does "
+                                  f"not declare: the bundle was tampered with; write it again")
+        # partitions for a delegate that does not execute here, run by their eager fallback: (graph, #, why)
+        self.fallbacks = [(k, j, why) for (k, j), (_, _, why) in self._runners.items() if why]
 
     def _source(self, src: dict, env: dict, given: dict, n: int) -> Any:
         if "arg" in src:
@@ -191,6 +200,28 @@ class Method:
         return fixed
 
 
+class Bucketed(_Signature):
+    """A method run as buckets of sizes (bundle/buckets.py): a call pads its inputs to the
+    smallest bucket that serves their n, runs that bucket's method, and cuts the outputs back."""
+
+    def __init__(self, name: str, spec: dict, methods: dict[str, Method]):
+        super().__init__(name, spec)
+        missing = [b["method"] for b in spec["buckets"] if b["method"] not in methods]
+        if missing:
+            raise BundleError(f"method {name!r} runs as buckets {missing} that the manifest does not hold: the "
+                              f"bundle was tampered with; write it again")
+        self.buckets = [(b["n"], b["padded"], methods.pop(b["method"])) for b in spec["buckets"]]
+        self.fallbacks = [f for _, _, m in self.buckets for f in m.fallbacks]
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> dict[str, Any]:
+        given, n = self._bind(args, kwargs)
+        size, padded, method = next(b for b in self.buckets if serves(b[0], b[1], n))  # _bind kept n in the range
+        if not padded:
+            return method(**given)
+        outputs = method(**pad(given, self.size["dims"], size))
+        return {o["name"]: cut(outputs[o["name"]], o["slice"], n) for o in self.spec["outputs"]}
+
+
 class Bundle:
     """A loaded bundle: its methods (`bundle.methods`, each also an attribute: `bundle.decode`),
     its weights and its states. A bundle of one call is called directly: `bundle(input_ids=t)`.
@@ -204,7 +235,10 @@ class Bundle:
         self.weights = self._weights(reader)
         self.states: dict[str, torch.Tensor] = {
             s["name"]: torch.zeros(s["shape"], dtype=_dtype(s["dtype"])) for s in self._state_spec()}
-        self.methods = {name: Method(self, name, spec, reader) for name, spec in self.manifest["methods"].items()}
+        specs = self.manifest["methods"]
+        self.methods: dict[str, Method | Bucketed] = {
+            name: Method(self, name, spec, reader) for name, spec in specs.items() if "buckets" not in spec}
+        self.methods.update({name: Bucketed(name, spec, self.methods) for name, spec in specs.items() if "buckets" in spec})
         if not self.methods:
             raise BundleError(f"{self.path}/manifest.json lists no methods; write the bundle again")
         self.fallbacks = [f for m in self.methods.values() for f in m.fallbacks]
@@ -217,7 +251,7 @@ class Bundle:
                               f"name, dtype, shape and init \"zeros\"); write the bundle again")
         declared = {s["name"]: s for s in spec}
         for m in self.manifest["methods"].values():  # the graphs were compiled for the declared shapes
-            for i in (i for g in m["programs"] for i in g["inputs"] if "state" in i["from"]):
+            for i in (i for g in m.get("programs", ()) for i in g["inputs"] if "state" in i["from"]):
                 s = declared.get(i["from"]["state"])
                 if s is None or (s["shape"], s["dtype"]) != (i["shape"], i["dtype"]):
                     raise BundleError(f"a graph of {self.path} reads state {i['from']['state']!r} as "

@@ -15,8 +15,8 @@ import torch
 import torch.fx as fx
 
 from torchnative.bundle import dynamic
-from torchnative.bundle.build import Compiled, Method
-from torchnative.bundle.format import OLDEST, SCHEMA, WEIGHTS, BundleError, sha256, write
+from torchnative.bundle.build import Buckets, Compiled, Method
+from torchnative.bundle.format import OLDEST, SCHEMA, SIZED, WEIGHTS, BundleError, sha256, write
 from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph, is_weight
@@ -175,25 +175,27 @@ class _Writer:
                 "partitions": [self.partition(k, j, s, name) for j, s in enumerate(program.steps)],
                 "outputs": outputs, "checks": checks, "writes": [w["state"] for w in writes]}
 
-    def method_record(self, name: str, method: Method) -> dict:
+    def method_record(self, name: str, method: Method | Buckets) -> dict:
+        if isinstance(method, Buckets):
+            return {"inputs": _inputs(method), "size": method.size,
+                    "outputs": [{"name": n, "slice": s} for n, s in zip(method.output_names, method.slices)],
+                    "buckets": [{"n": size, "padded": padded, "method": m} for size, padded, m in method.buckets]}
         self.method, self.inputs, self.values, self.symbols = name, list(method.inputs), [], method.symbols
         programs = [self.program(k, s) for k, s in enumerate(method.trace.steps)]
         outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(method.output_names, method.trace.outputs))]
-        sized = {tuple(d) for d in method.size["dims"]} if method.size else set()
-        inputs = [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()]
-        for i in inputs:
-            i["shape"] = ["n" if (i["name"], d) in sized else size for d, size in enumerate(i["shape"])]
-        return {"inputs": inputs, "outputs": outputs, "programs": programs, **({"size": method.size} if method.size else {})}
+        return {"inputs": _inputs(method), "outputs": outputs, "programs": programs,
+                **({"size": method.size} if method.size else {})}
 
     def files_and_manifest(self, model: str) -> dict[str, bytes]:
         from safetensors.torch import save
 
         methods = {name: self.method_record(name, m) for name, m in self.compiled.methods.items()}
         self.files[WEIGHTS] = save(self.weights)
-        delegates = {p["delegate"] for m in methods.values() for g in m["programs"] for p in g["partitions"]}
+        delegates = {p["delegate"] for m in methods.values() for g in m.get("programs", ()) for p in g["partitions"]}
         manifest = {
-            # a bundle a schema-2 reader runs is written as 2
-            "schema": SCHEMA if any("size" in m for m in methods.values()) else OLDEST, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # written as the oldest schema whose readers run it
+            "schema": SCHEMA if any("buckets" in m for m in methods.values()) else
+            SIZED if any("size" in m for m in methods.values()) else OLDEST, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "toolchain": versions(p for d in delegates for p in REGISTRY[d].toolchain),
             "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),
                         "tensors": {n: _spec(t) for n, t in self.weights.items()}},
@@ -205,6 +207,15 @@ class _Writer:
             manifest["generate"] = self.compiled.generation
         self.files["manifest.json"] = json.dumps(manifest, indent=1).encode()
         return self.files
+
+
+def _inputs(method: Method | Buckets) -> list[dict]:
+    """A method's inputs as the manifest describes them: a dim that follows n as "n"."""
+    sized = {tuple(d) for d in method.size["dims"]} if method.size else set()
+    inputs = [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()]
+    for i in inputs:
+        i["shape"] = ["n" if (i["name"], d) in sized else size for d, size in enumerate(i["shape"])]
+    return inputs
 
 
 def bundle_files(compiled: Compiled, model: str) -> dict[str, bytes]:

@@ -63,9 +63,12 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
              seconds: float, diffs: dict[str, float]):
     from rich.table import Table
 
+    from torchnative.bundle.build import Method
+
     per: dict[str, Counter] = {}
     declined: Counter = Counter()
-    steps = [step for m in compiled.methods.values() for step in m.trace.steps]
+    methods = {name: m for name, m in compiled.methods.items() if isinstance(m, Method)}  # not the buckets' dispatch
+    steps = [step for m in methods.values() for step in m.trace.steps]
     for step in steps:
         declined.update((op, d, why) for op, d, why in step.program.declined)
         for s in step.program.steps:
@@ -79,7 +82,7 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     sizes = Counter()
     for name, data in files.items():
         sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
-    graphs = ", ".join(f"{name} {len(m.trace.steps)}" for name, m in compiled.methods.items())
+    graphs = ", ".join(f"{name} {len(m.trace.steps)}" for name, m in methods.items())
     table = Table(title=f"bundle {path}: graphs per method: {graphs}; {seconds:.1f} s")
     for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
