@@ -13,6 +13,8 @@ a table; writes benchmarks/results/bundle_generate.json.
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import statistics
 import sys
@@ -23,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import models
 from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save

@@ -14,6 +14,8 @@ benchmarks/results/candle_decode.json.
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import statistics
 import sys
@@ -23,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import models
 from torchnative.runtime import program_cache
 

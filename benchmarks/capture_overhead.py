@@ -8,6 +8,8 @@ benchmarks/results/capture_overhead.json.
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import sys
 from pathlib import Path
@@ -15,7 +17,6 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import torchnative
 from torchnative import models
 from torchnative.runtime.program_cache import clear_caches
 

@@ -16,6 +16,8 @@ Prints tables; writes benchmarks/results/generate.json.
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import copy
 import sys
@@ -24,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import models
 from torchnative.runtime.program_cache import clear_caches, programs
 

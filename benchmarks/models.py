@@ -11,6 +11,8 @@ compiles on the second); writes benchmarks/results/models.json.
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import gc
 import math
@@ -20,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import models
 from torchnative.runtime.program_cache import clear_caches
 

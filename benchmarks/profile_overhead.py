@@ -10,6 +10,8 @@ profile around each call (the report record included). Engines are interleaved w
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import sys
 import timeit
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import events, models
 from torchnative.runtime.program import Program
 

@@ -16,6 +16,8 @@ idle gaps (common.interleave). Prints tables; writes benchmarks/results/quantize
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import importlib.util
 import json
@@ -27,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-import torchnative
 from torchnative import models
 from torchnative.passes.quantize import dequantized_copy
 

@@ -20,6 +20,8 @@ torch.compile compiles the model (AOTAutograd compiles its backward); the optimi
 """
 from __future__ import annotations
 
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
 import argparse
 import copy
 import gc
@@ -31,7 +33,6 @@ from typing import Callable
 
 import torch
 
-import torchnative
 from torchnative.runtime.program_cache import clear_caches, programs
 
 sys.path.insert(0, str(Path(__file__).parent))

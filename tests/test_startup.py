@@ -3,6 +3,7 @@
 toolchain (executorch alone takes seconds, and prints torchao's notes)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -82,3 +83,34 @@ def test_importing_executorch_prints_nothing():
                             "print([logging.getLogger(n).filters for n in quiet._IMPORT_NOTES])")
     assert done.returncode == 0, done.stderr
     assert (done.stdout, done.stderr) == ("[[], []]\n", "")
+
+
+_ACCELERATE = ("m = torchnative.accelerate(torch.nn.Linear(4, 4), delegates=['ort'])\n"
+               "with torch.no_grad():\n    [m(torch.randn(2, 4)) for _ in range(3)]\n"
+               "import os; print(os.environ.get('GOMP_SPINCOUNT'))")
+
+
+def _spin(code: str, **settings: str) -> subprocess.CompletedProcess:
+    """`code` in a new process whose environment sets only these of OpenMP's spin settings."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, **settings})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
+def test_imported_before_torch_it_shortens_the_openmp_spin():
+    """torch's OpenMP threads spin on the cores delegate programs run on (torchnative/threads.py)."""
+    done = _spin("import torchnative, torch\n" + _ACCELERATE)
+    assert done.stdout.split() == ["10000"] and "GOMP_SPINCOUNT" not in done.stderr
+
+
+def test_imported_after_torch_it_says_once_how_to_shorten_the_spin():
+    done = _spin("import torch, torchnative\n" + _ACCELERATE + "\n" + _ACCELERATE)
+    assert done.stderr.count("set GOMP_SPINCOUNT=10000") == 1
+
+
+@pytest.mark.parametrize("setting", [{"GOMP_SPINCOUNT": "5"}, {"OMP_WAIT_POLICY": "PASSIVE"}])
+def test_a_spin_the_user_set_is_left_alone(setting):
+    done = _spin("import torchnative, torch\n" + _ACCELERATE, **setting)
+    assert done.stdout.split() == [setting.get("GOMP_SPINCOUNT", "None")] and "GOMP_SPINCOUNT" not in done.stderr

@@ -8,7 +8,10 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
-import torch
+from torchnative import threads
+
+threads.before_torch()  # before torch loads its OpenMP runtime
+import torch  # noqa: E402
 
 from torchnative import events, store
 from torchnative.bundle import Bundle, BundleError

@@ -4,7 +4,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
-from torchnative import events
+from torchnative import events, threads
 from torchnative.recording.recorder import Recorder
 from torchnative.recording.trie import TrieNode, Signature
 from torchnative.delegates import resolve
@@ -48,8 +48,10 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         return
     mode = DoorMode()
     background = BACKGROUND if background is None else background
-    recorder = Recorder(_executor(resolve(delegates), tracer, compile_after, quantize, background), mode, weights,
-                        floats_vary)
+    chosen = resolve(delegates)
+    if len(chosen) > 1:  # a delegate besides eager: its thread pool shares the cores with torch's
+        threads.check()
+    recorder = Recorder(_executor(chosen, tracer, compile_after, quantize, background), mode, weights, floats_vary)
     if tracer is not None:
         recorder.observe = tracer.eager
     previous = set_handler(recorder)
