@@ -1,7 +1,9 @@
 """Graphs that stand for every size (torchnative.sizes): a recorded graph whose op sequence was
-recorded before at another size is fitted against that one, and the later graph, with the rules
-the fit found, is a *template*: one program, compiled once, runs every graph that matches it
-(torch.compile's automatic dynamic: static at first, symbolic once sizes change). A fit of two
+recorded before at another size is fitted against that one, and the rules the fit found are a
+*template*: one program, compiled once from the matching graph at hand, runs every graph that
+matches it (torch.compile's automatic dynamic: static at first, symbolic once sizes change); a
+delegate that plans memory for the largest size (xnnpack) takes sizes up to a bucket, and the
+template gets a program per bucket. A fit of two
 sizes is a candidate until a graph at a third size matches it, or one of the two would compile
 (then the candidate compiles in its place): two samples fit an integer that grows quadratically
 too, and a template compiled for it would serve no other size.
@@ -24,8 +26,7 @@ _CANDIDATES = 8  # fits of a skeleton not confirmed (sizes that follow no rule f
 
 @dataclass(eq=False)
 class Template:
-    sizes: Sizes
-    graph: CapturedGraph  # the later of the two graphs fitted, annotated: it stands for every match
+    sizes: Sizes  # the rules fitted to two graphs' integers (the later one's): they stand for every match
     fitted: set  # the two graphs' (node, sig)
     confirmed: bool = False  # a graph at a third size matched it, or one of the two compiled
 
@@ -92,7 +93,7 @@ def _candidate(seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Templa
     for *other, other_flat in reversed(_recent.get(seq, ())):
         sizes = fit(other_flat, flat)
         if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
-            made = Template(sizes, annotated(node, sig, sizes, flat), {tuple(other), (node, sig)})
+            made = Template(sizes, {tuple(other), (node, sig)})
             kept.append(made)
             break
     recent = _recent.setdefault(seq, [])
