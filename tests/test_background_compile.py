@@ -11,6 +11,7 @@ import threading
 import torch
 
 import torchnative
+from torchnative import sizes
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
 from torchnative.runtime import program_cache
@@ -114,3 +115,23 @@ print(bool(torch.isfinite(y).all()))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("True")
+
+
+def test_sizes_that_vary_compile_their_template_in_the_background():
+    """A template compiles in the background like any graph (runtime/templates.py): meanwhile each
+    size runs its own graph on eager."""
+    from tests.test_sizes import Positional, _inputs
+
+    model = Positional()
+    expected = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], background=True)
+    clear_caches()
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for n in (5, 9, 5, 9, 13, 40, 13):
+            assert_same(model(*_inputs(n)), expected(*_inputs(n)))
+        torchnative.wait_for_compiles()
+        for n in (7, 40):
+            assert_same(model(*_inputs(n)), expected(*_inputs(n)))
+    assert torchnative.stats()["symbolic_graphs"] == 1 and not torchnative.stats()["fallbacks"]
+    assert any(sizes.is_symbolic(p.graph.gm) for p in _compiled(programs()))

@@ -137,7 +137,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
             node, compile_after = template, 1
         elif _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
             events.STATS.not_compiled["sizes vary"] += 1
-            return program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_VARYING)
+            return program_for(recorded, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_VARYING)
         if compile_after > 1:
             seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
             if seen == 1:
@@ -176,7 +176,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
                           calibration_sets=calibration.sets((node, sig)))
             _building[key] = (job, list(inputs), [_state(t) for t in inputs])
         events.STATS.compiling_runs += 1
-        return Found(program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
+        return Found(program_for(recorded, sig, (eager,), inputs, 1, quantize).program, False, True)
     p = build_program(_graph(node, recorded, sig), delegates, inputs, quantize,
                       calibration_sets=calibration.sets((node, sig)))
     _took(node, p)
