@@ -111,6 +111,9 @@ def test_a_calibration_set_widens_the_activation_ranges(cache):
     assert calibrated < 0.05 and alone > 10 * calibrated  # 0.05: the bound of the model tests above
 
 
+# four buckets compiled for HTP (~40 s): -m slow (CI runs it); the default run checks buckets on
+# IREE's CPU backend (tests/test_bundle_sizes.py)
+@pytest.mark.slow
 def test_a_range_of_sizes_runs_as_padded_buckets_on_htp(cache, tmp_path):
     """HTP compiles static shapes: `--dynamic` builds buckets (bundle/buckets.py), each padded with
     the attention mask's zeros; every size of the range runs on HTP within the quantized bound."""
