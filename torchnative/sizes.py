@@ -194,11 +194,13 @@ def shape_rules(node: fx.Node) -> dict[int, Rule]:
 
 
 def symbol_sources(placeholders: list[fx.Node]) -> dict[int, tuple[int, int, Rule]]:
-    """Per symbol, where a graph's inputs carry it: (placeholder index, dim, its rule there)."""
+    """Per symbol, where a graph's inputs carry it: (placeholder index, dim, its rule there); a
+    dim that is the symbol itself (coefficient 1) where one is, so reading it needs no division."""
     found: dict[int, tuple[int, int, Rule]] = {}
     for k, p in enumerate(placeholders):
         for d, r in shape_rules(p).items():
-            found.setdefault(r.symbol, (k, d, r))
+            if r.symbol not in found or (r.coef == 1 and found[r.symbol][2].coef != 1):
+                found[r.symbol] = (k, d, r)
     return found
 
 
@@ -263,13 +265,10 @@ def symbolic(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    source: dict[int, tuple[fx.Node, int, Rule]] = {}
-    for n in nodes:
-        if n.op == "placeholder":
-            env[n] = g.node_copy(n)
-            for d, r in shape_rules(n).items():
-                if r.symbol not in source or (r.coef == 1 and source[r.symbol][2].coef != 1):
-                    source[r.symbol] = (env[n], d, r)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for n in placeholders:
+        env[n] = g.node_copy(n)
+    source = {j: (env[placeholders[k]], d, r) for j, (k, d, r) in symbol_sources(placeholders).items()}
     symbols: dict[int, fx.Node] = {}
 
     def value(rule: Rule) -> Any:
