@@ -183,3 +183,17 @@ def test_partitions_execute_on_macos():
             e = torchnative.explain(model, **inputs)
     assert any(d == "coreml" for parts in e.partitions for d, _ in parts)
     torch.testing.assert_close(e.output.last_hidden_state, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_masked_attention_converts_with_its_masked_rows_written_out(cache):
+    """Core ML's attention is a plain softmax (NaN where a mask hides every key; eager gives 0):
+    the package computes which rows are hidden (reduce_max, equal) and selects 0 for them."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 4, 8, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 4, 4, generator=g) > 0.3
+    with torch.no_grad(), record(events.PartitionCompiled) as compiled, torchnative.capture(["coreml"], compile_after=1):
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+        y.sum().item()
+    (graph,) = [e.step.graph for e in compiled if "scaled_dot_product" in str(e.step.graph.gm.graph)]
+    ops = coreml.CoreML().compile(graph).meta["ops"]
+    assert ops.get("scaled_dot_product_attention") == 1 and ops.get("equal") and ops.get("select"), ops

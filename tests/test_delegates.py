@@ -251,3 +251,84 @@ def test_ort_writes_a_state_update_into_the_callers_tensor_and_refuses_a_strided
         torch.testing.assert_close(total, expected.sum())
         totals.append(total)
     assert totals[0] is totals[1]
+
+
+@pytest.mark.parametrize("layout", ["bool", "float", "cache", "grouped"])
+@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING, SLOW_OP_TABLES))
+def test_attention_rows_the_mask_hides_whole_are_zero_as_in_eager(delegate, layout):
+    """A query the mask lets see no key (a left-padded batch's padded position): eager's kernel
+    gives 0, a plain softmax NaN, which then spreads through the model. Bool and -inf float masks,
+    a decode step over a cache (fewer queries than keys) and grouped KV heads."""
+    g = torch.Generator().manual_seed(0)
+    queries, kv_heads = (2 if layout == "cache" else 4), (2 if layout == "grouped" else 4)
+    q = torch.randn(2, 4, queries, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 6, 8, generator=g) for _ in range(2))
+    seen = torch.rand(2, 1, queries, 6, generator=g) > 0.3
+    seen[0, :, 0], seen[1, :, -1] = False, False
+    mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf")) if layout == "float" else seen
+
+    def attend():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True) * 2
+    with torch.no_grad(), torchnative.capture([delegate], compile_after=1):
+        e = torchnative.explain(attend)
+    expected = attend()
+    assert expected[0, :, 0].eq(0).all()
+    torch.testing.assert_close(e.output, expected, rtol=1e-5, atol=1e-6)
+    if delegate not in IMPRECISE_CLAIMS:
+        assert delegate in [d for parts in e.partitions for d, _ in parts], e.partitions
+
+
+def _edge_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, -2.0, 3.0], [-inf, -inf, -inf, -inf], [inf, 1.0, -inf, 0.0], [0.5, -0.5, 2.0, nan]])
+    y = torch.tensor([[nan, 1.0, 5.0, -1.0], [0.0, -inf, 1.0, nan], [1.0, inf, -inf, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    return x, y
+
+
+# ops on NaN, ±inf and empty rows; each must be eager's on every delegate but where EDGE_DIVERGES says
+EDGE_CASES = {
+    "relu": lambda x, y: torch.relu(x), "softmax": lambda x, y: x.softmax(-1), "log_softmax": lambda x, y: x.log_softmax(-1),
+    "amax": lambda x, y: x.amax(-1), "amin": lambda x, y: x.amin(-1), "max.dim": lambda x, y: x.max(-1).values,
+    "max.dim indices": lambda x, y: x.max(-1).indices, "argmax": lambda x, y: x.argmax(-1), "argmin": lambda x, y: x.argmin(-1),
+    "maximum": lambda x, y: torch.maximum(x, y), "minimum": lambda x, y: torch.minimum(x, y),
+    "clamp": lambda x, y: x.clamp(-1, 1), "clamp_min": lambda x, y: x.clamp(min=0), "hardtanh": lambda x, y: torch.nn.functional.hardtanh(x),
+    "where": lambda x, y: torch.where(x > 0, x, y), "sigmoid": lambda x, y: x.sigmoid(), "tanh": lambda x, y: x.tanh(),
+    "exp": lambda x, y: x.exp(), "log": lambda x, y: x.abs().log(), "sqrt": lambda x, y: x.sqrt(), "rsqrt": lambda x, y: x.rsqrt(),
+    "mean": lambda x, y: x.mean(-1), "sum": lambda x, y: x.sum(-1), "var": lambda x, y: x.var(-1), "div by 0": lambda x, y: x / (y * 0),
+    "gelu": lambda x, y: torch.nn.functional.gelu(x), "silu": lambda x, y: torch.nn.functional.silu(x),
+    "layer_norm": lambda x, y: torch.nn.functional.layer_norm(x, (4,)), "sort": lambda x, y: x.sort(-1).values,
+    "topk": lambda x, y: x.topk(2, -1).values, "cumsum": lambda x, y: x.cumsum(-1), "logsumexp": lambda x, y: x.logsumexp(-1),
+    "isnan": lambda x, y: x.isnan(), "nan_to_num": lambda x, y: x.nan_to_num(), "masked_fill": lambda x, y: x.masked_fill(x.isnan(), 0.0),
+    "mul 0": lambda x, y: x * 0, "sign": lambda x, y: x.sign(), "abs": lambda x, y: x.abs(), "round": lambda x, y: x.round(),
+    "compare": lambda x, y: (x == y) | (x < y), "mean of empty": lambda x, y: x[:, :0].mean(-1), "sum of empty": lambda x, y: x[:, :0].sum(-1),
+}
+# Kernels that treat NaN and inf their own way (measured here, all the cases in one graph). What a
+# model computes from finite inputs is eager's everywhere (the masked rows above); what it computes
+# from NaN or inf may not be.
+_IEEE_MAX = {"maximum", "minimum", "clamp", "clamp_min", "hardtanh", "argmax", "argmin", "max.dim indices",
+             "sort", "topk"}  # max(NaN, y) = y; NaN not ordered last
+EDGE_DIVERGES = {
+    # eager's gelu of inf is NaN (its vectorized erf); the others give inf. ONNX Runtime's mean
+    # over no elements is 0, eager's NaN: left as it is, ReduceMean is what ORT fuses into norms
+    "ort": {"gelu", "mean of empty"},
+    "candle": {"relu", "amax", "gelu"},  # relu(NaN) = 0, a max that skips NaN
+    "iree-cpu": {"gelu"} | _IEEE_MAX,
+    "vulkan": {"gelu", "mul 0", "div by 0"} | _IEEE_MAX,  # fast math: x * 0 = 0 for NaN and inf
+}
+
+
+@pytest.mark.parametrize("delegate", _per_delegate(EXECUTING, SLOW_OP_TABLES))
+def test_nan_inf_and_empty_rows_are_eager_s_but_where_a_kernel_is_known_to_differ(delegate):
+    """Every case of EDGE_CASES in one graph on the delegate; the cases whose values differ from
+    eager's (NaN where eager's is NaN, inf where eager's is inf) are exactly EDGE_DIVERGES'."""
+    x, y = _edge_inputs()
+
+    def every_case():
+        return [fn(x, y) for fn in EDGE_CASES.values()]
+    expected = every_case()
+    with torch.no_grad(), torchnative.capture([delegate], compile_after=1):
+        e = torchnative.explain(every_case)
+    assert delegate in [d for parts in e.partitions for d, _ in parts], e.partitions
+    differ = {name for name, got, ref in zip(EDGE_CASES, e.output, expected)
+              if got.shape != ref.shape or not torch.allclose(got.float(), ref.float(), rtol=1e-5, atol=1e-6, equal_nan=True)}
+    assert differ == EDGE_DIVERGES.get(delegate, set())

@@ -219,3 +219,40 @@ def test_kquant_weights_become_dequantized_constants_carrying_their_blocks():
     (y,) = graph.gm(*args, *derived.tensors)
     (expected,) = f(args[0], dequantized(args[1], "q4k"), args[2], args[3])
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_rows_are_written_out_for_a_plain_softmax_attention():
+    """passes.attention.zero_masked_rows: with attention computed as a plain softmax (as IREE and
+    Core ML compile it), a query the mask hides from every key is NaN without the pass and 0, as
+    eager's kernel gives, with it. (The door records a float mask: SDPA's bool masks become -inf.)"""
+    import operator
+    import torch.fx as fx
+    from torchnative.passes.attention import FLASH, zero_masked_rows
+
+    def plain(q, k, v, *, attn_mask=None):
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        return (scores + attn_mask).softmax(-1) @ v, None
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(3))
+    seen = torch.tensor([[False] * 3, [True, False, True], [True] * 3]).view(1, 1, 3, 3)
+    mask = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))
+    graph = fx.Graph()
+    args = [graph.placeholder(n) for n in "qkvm"]
+    for a, t in zip(args, (q, k, v, mask)):
+        a.meta["val"] = t
+    flash = graph.call_function(FLASH, tuple(args[:3]), {"attn_mask": args[3]})
+    out = graph.call_function(operator.getitem, (flash, 0))
+    out.meta["val"] = q
+    graph.output([graph.call_function(torch.ops.aten.mul.Tensor, (out, 2.0))])
+    expected = FLASH(q, k, v, attn_mask=mask)[0] * 2
+    assert expected[0, :, 0].eq(0).all()
+
+    def run(g: fx.Graph) -> torch.Tensor:
+        flash.target = plain
+        try:
+            return fx.GraphModule(torch.nn.Module(), g)(q, k, v, mask)[0]
+        finally:
+            flash.target = FLASH
+    assert run(graph)[0, :, 0].isnan().all()
+    torch.testing.assert_close(run(zero_masked_rows(graph)), expected)

@@ -27,6 +27,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     "mistral": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
                              sliding_window=None),
                 "base": {}},
+    "qwen2": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256), "base": {}},
     "t5": {"tiny": dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
                        decoder_start_token_id=0),
            "base": {}},

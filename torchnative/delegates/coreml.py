@@ -30,6 +30,7 @@ from torchnative.interface import Artifact, Availability, CompileOnly, Runner, S
 from torchnative.delegates.probe import Probe
 from torchnative.delegates.onnx_export import slice_write
 from torchnative.ir import CapturedGraph, is_weight
+from torchnative.passes.attention import zero_masked_rows
 from torchnative.passes.state import SLICE_UPDATE
 
 aten = torch.ops.aten
@@ -263,6 +264,7 @@ def _indexed_in_full(graph: CapturedGraph) -> CapturedGraph:
                 [size if k == d else 1 for k in range(dim + 1)])), shape)) for d, size in enumerate(shape[:-1])]
             full.append(g.call_function(aten.expand.default, (env[index[dim]], shape)))
         env[n].args = (env[n].args[0], full, *env[n].args[2:])
+    zero_masked_rows(g)  # Core ML's attention is a plain softmax: NaN where a mask hides every key
     return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles,
                          graph.constants, writes=graph.writes)
 

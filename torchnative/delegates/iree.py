@@ -27,6 +27,7 @@ from torchnative.delegates.base import tensors
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
+from torchnative.passes.attention import zero_masked_rows
 
 _HINT = "pip install iree-base-compiler==3.13.* iree-base-runtime==3.13.*"
 _VULKAN_HINT = "apt-get install mesa-vulkan-drivers libvulkan1 (software Vulkan), or a GPU's Vulkan driver"
@@ -99,7 +100,7 @@ def _mlir(exported: torch.export.ExportedProgram) -> bytes:
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
 
-    _fuse_attention(exported.graph)
+    _fuse_attention(zero_masked_rows(exported.graph))
     importer = FxImporter(context=ir.Context())
     importer.import_stateless_graph(exported.graph, func_name="main")
     unknown = sorted(set(re.findall(r'torch\.operator "torch\.([\w.]+)"', str(importer.module))))

@@ -62,6 +62,11 @@ class AcceleratedForward:
             out = forward(*args, **kwargs)
         return real_outputs(out)  # after the session: its end runs the pending graph
 
+    # torch.compile over an accelerated model (a user's, or transformers' generate(compile_config=))
+    # would trace the door itself: it failed on our lazy tensors' shapes, and where it did not it
+    # recompiled on every call. Dynamo sees the accelerated forward as one opaque call instead.
+    __call__ = torch.compiler.disable(__call__)
+
     def _guarded(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
@@ -75,7 +80,9 @@ class AcceleratedForward:
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
-        if not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
+        if key is None:
+            tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
+        elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
         replayer.learn(key, tracer, leaves, out, before)
         return out

@@ -20,17 +20,17 @@ from torchnative.shim import LazyTensor
 SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
-def is_plain(spec: Any, outputs: bool = False) -> bool:
-    """Only plain containers (and, for outputs, transformers' ModelOutput dataclasses): any other
-    pytree-registered object, such as a KV cache, has state that Python updates."""
+def is_plain(spec: Any) -> bool:
+    """Only plain containers and transformers' ModelOutput dataclasses (an encoder's outputs
+    handed to each decode call): any other pytree-registered object, such as a KV cache, has
+    state that Python updates."""
     if spec.is_leaf():
         return True
-    ok = spec.type in (tuple, list, dict) or (
-        outputs and issubclass(spec.type, OrderedDict) and dataclasses.is_dataclass(spec.type))
-    return ok and all(is_plain(c, outputs) for c in spec.children())
+    ok = spec.type in (tuple, list, dict) or (issubclass(spec.type, OrderedDict) and dataclasses.is_dataclass(spec.type))
+    return ok and all(is_plain(c) for c in spec.children())
 
 
-def object_state(x: Any, depth: int = 3, read: "Snapshot | None" = None, place: tuple | None = None) -> Any:
+def object_state(x: Any, depth: int = 5, read: "Snapshot | None" = None, place: tuple | None = None) -> Any:
     """An argument object's Python state (a KV cache: its layers, their tensors and counters):
     scalars by value, tensors by metadata, objects by type and state, those deeper than `depth`
     by identity. `read` is told what the walk looked at: the containers, and each tensor with its

@@ -112,7 +112,7 @@ class Tracer:
                 known(v, ("out", k, j))
         sets = tuple((at, source(t)) for at, t in _replaced(before, after))
         outputs, spec = pytree.tree_flatten(out)
-        if not is_plain(spec, outputs=True):
+        if not is_plain(spec):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
         return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes(), sets)
 

@@ -294,10 +294,18 @@ def _sdpa(o, q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=N
         scores = scores + _causal(length, s)
     if attn_mask is not None:
         scores = scores + attn_mask
-    peak = scores.max_keepdim(3)
+    # a query the mask hides from every key (a padded position) attends to nothing, as in eager's
+    # kernel: its peak floored to a finite value, its total to the least float, weights 0 not NaN
+    # (a row that sees a key has a finite peak and a total of at least 1: both unchanged)
+    peak = _at_least(scores.max_keepdim(3), torch.finfo(torch.float32).min)
     weights = (scores - peak).exp()
     total = weights.sum_keepdim(3)
-    return _matmul(weights / total, v), (peak + total.log()).squeeze(3)
+    return _matmul(weights / _at_least(total, torch.finfo(torch.float32).tiny), v), (peak + total.log()).squeeze(3)
+
+
+def _at_least(x, floor: float):
+    """max(x, floor) along a last dim of size 1 (candle-nn's bindings have no maximum)."""
+    return candle.cat([x, _scalar(floor, "f32").broadcast_as(x.shape)], 3).max_keepdim(3)
 
 
 @functools.cache
