@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from torchnative import models
-from torchnative.runtime import program_cache
+from torchnative.cache import program_cache
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402

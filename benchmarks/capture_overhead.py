@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchnative import models
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchnative import models
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402

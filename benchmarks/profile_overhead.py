@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from torchnative import events, models
-from torchnative.runtime.program import Program
+from torchnative.build.program import Program
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import interleave, table, write  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchnative import models
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import GAP_S, elapsed, table, write  # noqa: E402
@@ -56,7 +56,8 @@ def _calls(name: str, test: int) -> list[tuple[str, dict]]:
 
 def _build(name: str, test: int) -> torch.nn.Module:
     model = models.transformers_model(ARCHITECTURES[name], seed=test, use_cache=True)
-    model.generation_config.pad_token_id = 0
+    if hasattr(model, "generation_config"):
+        model.generation_config.pad_token_id = 0
     return model
 
 
@@ -116,7 +117,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
     engines = [k for k in ENGINES if not (args.no_compile and k == "torch.compile")]
-    rows = [bench(name, args.tests, engines) for name in args.models.split(",")]
+    rows = []
+    for name in args.models.split(","):
+        rows.append(bench(name, args.tests, engines))
+        print(rows[-1], flush=True)
     cols = [("model", "{}"), ("tests", "{}")]
     for k in engines:
         cols += [(f"{k} s", "{:.2f}")] + ([(f"{k} x", "{:.2f}x"), (f"{k} worst x", "{:.2f}x"), (f"{k} same", "{}")]

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from torchnative.runtime.program_cache import clear_caches, programs
+from torchnative.cache.program_cache import clear_caches, programs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import elapsed, interleave, table, write  # noqa: E402

@@ -14,8 +14,8 @@ import torchnative
 from torchnative import sizes
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
-from torchnative.runtime import program_cache
-from torchnative.runtime.program_cache import clear_caches, programs
+from torchnative.cache import program_cache
+from torchnative.cache.program_cache import clear_caches, programs
 
 ORT = dict(rtol=1e-4, atol=1e-4)
 
@@ -118,7 +118,7 @@ print(bool(torch.isfinite(y).all()))
 
 
 def test_sizes_that_vary_compile_their_template_in_the_background():
-    """A template compiles in the background like any graph (runtime/templates.py): meanwhile each
+    """A template compiles in the background like any graph (cache/templates.py): meanwhile each
     size runs its own graph on eager."""
     from tests.test_sizes import Positional, _inputs
 

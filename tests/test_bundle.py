@@ -18,7 +18,7 @@ from torchnative.bundle import BundleError
 from torchnative.delegates import xnnpack
 from torchnative.interface import Availability
 from torchnative import store
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 ARCHS = ["GPT2LMHeadModel", "BertModel", "ViTModel", "ResNetModel"]
 

@@ -20,7 +20,7 @@ from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save
 from torchnative.delegates import REGISTRY, coreml
 from torchnative.ir import CapturedGraph
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 pytestmark = pytest.mark.skipif(REGISTRY["coreml"].available().status == "unavailable",
                                 reason=f"coreml: {REGISTRY['coreml'].available().reason}")

@@ -121,7 +121,7 @@ def test_compile_failure_falls_back_to_eager_and_is_counted(monkeypatch):
 
 @pytest.mark.skipif("ort" not in EXECUTING, reason="onnxruntime is not installed")
 def test_a_graph_is_compiled_once_it_repeats():
-    from torchnative.runtime.program_cache import clear_caches
+    from torchnative.cache.program_cache import clear_caches
 
     clear_caches()  # another test may have run this graph already
     x = torch.randn(8)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "torchnative"
 # left to right; a module imports only from its own layer or those before it
 LAYERS = [
     {"ir", "sizes", "events", "interface", "toolchain", "store", "grad", "quiet", "threads"},  # what every layer shares
-    {"shim"}, {"recording"}, {"passes"}, {"partitioner"}, {"delegates"}, {"runtime"}, {"bundle"}, {"inspector"},
+    {"shim"}, {"recording"}, {"passes"}, {"partitioner"}, {"delegates"}, {"build"}, {"cache"}, {"replay"}, {"bundle"}, {"inspector"},
     {"models", "cli", ""},  # "": the public API, torchnative/__init__.py
 ]
 
@@ -86,8 +86,8 @@ def test_no_import_cycle():
 
 def test_the_checks_see_a_wrong_import(tmp_path):
     """The rule itself: an import of runtime from the partitioner is caught."""
-    source = "from torchnative.runtime import disk_cache\n"
-    modules = {"torchnative.partitioner.bad": tmp_path / "bad.py", "torchnative.runtime.disk_cache": Path()}
+    source = "from torchnative.build import disk_cache\n"
+    modules = {"torchnative.partitioner.bad": tmp_path / "bad.py", "torchnative.build.disk_cache": Path()}
     (tmp_path / "bad.py").write_text(source)
     (target,) = _imports("torchnative.partitioner.bad", tmp_path / "bad.py", modules)
-    assert target == "torchnative.runtime.disk_cache" and _layer(target) > _layer("torchnative.partitioner.bad")
+    assert target == "torchnative.build.disk_cache" and _layer(target) > _layer("torchnative.partitioner.bad")

@@ -6,7 +6,7 @@ import torch
 
 import torchnative
 from torchnative import events
-from torchnative.runtime.program import CapturedOpError
+from torchnative.build.program import CapturedOpError
 from tests.conftest import record
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@ import torch
 import torchnative
 from torchnative import events, models
 from torchnative.delegates import REGISTRY
-from torchnative.runtime.program_cache import clear_caches
+from torchnative.cache.program_cache import clear_caches
 
 from tests.conftest import record
 from tests.sweep import sweep

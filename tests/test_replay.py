@@ -1,4 +1,4 @@
-"""Replay of a forward proven stable (runtime/replayer.py): outputs stay eager's when the guards
+"""Replay of a forward proven stable (replay/replayer.py): outputs stay eager's when the guards
 hold, and a call is recorded again whenever Python might have done something different."""
 import copy
 
@@ -234,7 +234,7 @@ def test_call_flattening_is_pytrees():
     from torch.utils import _pytree as pytree
     from transformers.modeling_outputs import BaseModelOutput
 
-    from torchnative.runtime.guard import flatten_call
+    from torchnative.replay.guard import flatten_call
     t, cache = torch.ones(2), object()
     calls = [((t,), {}), ((t, None, 3), {"a": t, "b": cache}), ((), {"b": cache, "a": t}),
              (([t, t],), {}), ((t,), {"x": {"y": t}}), ((BaseModelOutput(last_hidden_state=t),), {})]
@@ -250,7 +250,7 @@ def test_argument_object_state_is_reused_only_while_unchanged():
     full walk sees (a field, a list, a tensor reshaped in place) gives a new key, equal to the one
     a fresh walk gives. A tensor replaced by one of the same metadata keeps the key (a trace reads
     the tensors where they sit) and the snapshot holds the new one."""
-    from torchnative.runtime.guard import flatten_call, guard_key
+    from torchnative.replay.guard import flatten_call, guard_key
 
     class Layer:
         def __init__(self):
@@ -292,7 +292,7 @@ def test_outputs_are_rebuilt_as_unflattening_builds_them():
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import ModelOutput
 
-    from torchnative.runtime.replayer import _builder
+    from torchnative.replay.replayer import _builder
 
     @dataclass
     class Derived(ModelOutput):

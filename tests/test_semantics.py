@@ -68,7 +68,7 @@ def test_data_ptr_never_zero_inside_capture():
 
 
 def test_same_code_reuses_program():
-    from torchnative.runtime.program_cache import clear_caches
+    from torchnative.cache.program_cache import clear_caches
 
     clear_caches()  # another test may have run this graph already
     x = torch.randn(8)

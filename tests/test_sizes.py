@@ -1,4 +1,4 @@
-"""Sizes that vary become symbols (torchnative.sizes, runtime/templates.py): a graph recorded at
+"""Sizes that vary become symbols (torchnative.sizes, cache/templates.py): a graph recorded at
 two sizes is fitted into rules, confirmed by a third, and one program compiled for it runs every
 size whose graph follows every rule — equal to eager at each; a size that breaks a rule (out of
 range, two inputs no longer related as before) is a graph of its own, still exact."""
@@ -11,9 +11,9 @@ import torchnative
 from tests.conftest import assert_same
 from torchnative import models, sizes
 from torchnative.recording.trie import flatten
-from torchnative.runtime import session
-from torchnative.runtime.program_cache import clear_caches, programs
-from torchnative.runtime.templates import annotated
+from torchnative.replay import session
+from torchnative.cache.program_cache import clear_caches, programs
+from torchnative.cache.templates import annotated
 
 
 class Positional(torch.nn.Module):

@@ -13,7 +13,7 @@ import torch
 
 import torchnative
 from tests.conftest import assert_same
-from torchnative.runtime.program_cache import clear_caches, programs
+from torchnative.cache.program_cache import clear_caches, programs
 
 STEPS = 20
 

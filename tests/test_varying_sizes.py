@@ -10,8 +10,8 @@ import torch
 
 import torchnative
 from tests.conftest import assert_same
-from torchnative.runtime import program_cache
-from torchnative.runtime.program_cache import clear_caches, programs
+from torchnative.cache import program_cache
+from torchnative.cache.program_cache import clear_caches, programs
 
 LIMIT = 2  # in place of SIZE_LIMIT where a test compiles a program per size: each costs a second
 

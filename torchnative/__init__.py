@@ -27,13 +27,13 @@ from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
 from torchnative.passes.quantize import KQUANTS as _KQUANTS
 from torchnative.passes.quantize import SCHEMES as _SCHEMES
-from torchnative.runtime import calibration as _calibration
-from torchnative.runtime.accelerated import install as _install
-from torchnative.runtime.accelerated import uninstall as _uninstall
-from torchnative.runtime.program import CapturedOpError
-from torchnative.runtime.program_cache import COMPILE_AFTER as _COMPILE_AFTER
-from torchnative.runtime.program_cache import wait_for_compiles as _wait_for_compiles
-from torchnative.runtime.session import session as _session
+from torchnative.cache import calibration as _calibration
+from torchnative.replay.accelerated import install as _install
+from torchnative.replay.accelerated import uninstall as _uninstall
+from torchnative.build.program import CapturedOpError
+from torchnative.cache.program_cache import COMPILE_AFTER as _COMPILE_AFTER
+from torchnative.cache.program_cache import wait_for_compiles as _wait_for_compiles
+from torchnative.replay.session import session as _session
 from torchnative.shim import LazyTensor
 
 # the public surface; every other name here is private (the layers' own modules hold the rest)

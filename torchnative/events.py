@@ -25,7 +25,7 @@ class GraphRun:
     n_ops_recorded: int
     partitions: tuple = ()   # ((delegate, n_ops), ...) in execution order
     replayed: bool = False   # run from a replay trace, without recording
-    program: Any = None      # runtime.program.Program: its steps and declined nodes
+    program: Any = None      # build.program.Program: its steps and declined nodes
     not_compiled: str = ""   # why it ran on eager though delegates were asked for
 
 
@@ -40,7 +40,7 @@ class Fallback:
 @dataclass(frozen=True)
 class ProgramBuilt:
     """A graph was partitioned and each partition compiled."""
-    program: Any               # runtime.program.Program
+    program: Any               # build.program.Program
     seconds: float
 
 
@@ -63,7 +63,7 @@ class PartitionLowered:
 @dataclass(frozen=True)
 class PartitionCompiled:
     """One partition of a program being built is ready: its runner loaded (or left to eager)."""
-    step: Any                  # runtime.program.Step
+    step: Any                  # build.program.Step
     graph_key: str
     index: int
     total: int                 # partitions in this program
@@ -72,7 +72,7 @@ class PartitionCompiled:
 @dataclass(frozen=True)
 class PartitionRun:
     """One partition ran (emitted only while `timing` is on); start is `time.perf_counter()`."""
-    step: Any                  # runtime.program.Step
+    step: Any                  # build.program.Step
     graph_key: str
     index: int
     start: float

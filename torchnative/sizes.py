@@ -6,7 +6,7 @@ another length — has the same structure twice, with other integers: its inputs
 its views and factories name, its values' shapes. `fit` takes the two (as `Flat`s: integers and
 everything else) and finds, for each integer, how it follows from the inputs' dims that changed,
 the *symbols*: a constant, or `coef · s + const` (coef > 0). The later graph, its nodes marked
-with those rules (`node.meta["sizes"]`, runtime/templates.py), stands for every size:
+with those rules (`node.meta["sizes"]`, cache/templates.py), stands for every size:
 `Sizes.match` checks a graph recorded at a new size against every rule — shapes, dense layouts
 and strides, arguments — and a graph that breaks one (a relation two inputs kept, a size out of
 range) is not this graph. `symbolic` rewrites a graph so that its integer arguments are computed

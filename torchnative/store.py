@@ -1,5 +1,5 @@
 """The directory that keeps what one process computed for the next (DESIGN.md §6): compiled
-partitions and partitionings (`runtime.disk_cache`) and the small answer tables of the probes that
+partitions and partitionings (`build.disk_cache`) and the small answer tables of the probes that
 find which ops a compiler takes (`delegates.probe`). Files are written beside and renamed into
 place, so two processes sharing the directory see a whole file or none; a file that cannot be
 read back is removed, to be rebuilt, never trusted."""

@@ -1,6 +1,6 @@
 """A model's calls, captured and compiled for a bundle: each call (a *method*: `forward`, or a
 causal LM's `prefill` and `decode`) is recorded on eager (fast, no compile), described as a replay
-trace (runtime/trace.py: programs in order, where each input comes from, the scalars Python
+trace (replay/trace.py: programs in order, where each input comes from, the scalars Python
 read), then each program is built again for the target delegates with its artifacts kept.
 
 A causal LM's methods run over a static KV cache, the bundle's *state*: the tensors the cache
@@ -19,11 +19,11 @@ from torchnative.bundle import buckets, dynamic as dynamic_sizes
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
-from torchnative.runtime.guard import SCALARS, Snapshot
-from torchnative.runtime.pipeline import build_program
-from torchnative.runtime.trace import Ineligible, Trace
-from torchnative.runtime.tracer import Tracer
-from torchnative.runtime.session import real_outputs, session
+from torchnative.replay.guard import SCALARS, Snapshot
+from torchnative.build.pipeline import build_program
+from torchnative.replay.trace import Ineligible, Trace
+from torchnative.replay.tracer import Tracer
+from torchnative.replay.session import real_outputs, session
 
 
 @dataclass

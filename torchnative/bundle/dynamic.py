@@ -20,8 +20,8 @@ import torch
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.recording.trie import flatten
-from torchnative.runtime.pipeline import build_program
-from torchnative.runtime.templates import annotated
+from torchnative.build.pipeline import build_program
+from torchnative.cache.templates import annotated
 from torchnative.sizes import fit, narrowest
 
 _SPEC = re.compile(r"^((?:[\w.]+:\d+,)*[\w.]+:\d+)=(\d+)\.\.(\d+)$")

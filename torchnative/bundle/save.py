@@ -22,8 +22,8 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes import pin
 from torchnative.passes.state import SLICE_UPDATE
-from torchnative.runtime import trace
-from torchnative.runtime.program import Program, Step
+from torchnative.replay import trace
+from torchnative.build.program import Program, Step
 from torchnative.sizes import SIZES, dense_order
 from torchnative.toolchain import versions
 

@@ -18,7 +18,7 @@ from torchnative.passes.pin import name_tensors, updatable
 class Explanation:
     graphs: list[CapturedGraph] = field(default_factory=list)
     partitions: list[tuple] = field(default_factory=list)  # per graph: ((delegate, n_ops), ...)
-    programs: list = field(default_factory=list)           # per graph: its runtime.program.Program
+    programs: list = field(default_factory=list)           # per graph: its build.program.Program
     not_compiled: list[str] = field(default_factory=list)  # per graph: why it ran on eager, or ""
     breaks: list[events.GraphBreak] = field(default_factory=list)
     fallbacks: list[events.Fallback] = field(default_factory=list)
@@ -84,7 +84,7 @@ def explain(fn: Callable, *args, check: bool = False, **kwargs) -> Explanation:
     """Run fn under capture (inside an enclosing `capture(delegates=...)`, with its delegates).
     `check`: each delegate partition's outputs are compared with its graph run on eager on the
     same inputs, on every run (`Explanation.gaps`)."""
-    from torchnative.runtime.session import session  # the inspector only listens; this runs fn
+    from torchnative.replay.session import session  # the inspector only listens; this runs fn
 
     result = Explanation()
     if isinstance(fn, torch.nn.Module):

@@ -17,10 +17,10 @@ from torchnative.inspector.profile import source_lines
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.partitioner import EAGER
 from torchnative.passes.state import SLICE_UPDATE
-from torchnative.runtime import program_cache
+from torchnative.cache import program_cache
 
 if TYPE_CHECKING:
-    from torchnative.runtime.program import Program, Step
+    from torchnative.build.program import Program, Step
 
 # a partition diverges when an output's max abs error exceeds this share of the output's largest
 # eager magnitude: float32 rounding over a partition's chains of ops stays well below it

@@ -17,7 +17,7 @@ from torchnative.interface import Artifact, Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Plan, Subgraph, extract, partition, written_back
 from torchnative.passes.fuse import fuse
-from torchnative.runtime import disk_cache
+from torchnative.build import disk_cache
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The stages from a captured graph to a program, in order, each an artifact of its own (as
 ExecuTorch's `partition` → `preprocess`): the passes prepare the graph (`passes.prepare`), the
-partitioner plans and lowering compiles each partition (`runtime.lower` → `LoweredGraph`),
-loading makes runners (`runtime.load` → steps), and `Program` assembles them."""
+partitioner plans and lowering compiles each partition (`build.lower` → `LoweredGraph`),
+loading makes runners (`build.load` → steps), and `Program` assembles them."""
 from __future__ import annotations
 
 import time
@@ -15,9 +15,9 @@ from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER
 from torchnative.passes import prepare
-from torchnative.runtime.load import load
-from torchnative.runtime.lower import lower
-from torchnative.runtime.program import Program, Step
+from torchnative.build.load import load
+from torchnative.build.lower import lower
+from torchnative.build.program import Program, Step
 from torchnative.sizes import narrowest
 
 

@@ -1,7 +1,7 @@
-"""The `Tracer`: it watches one recorded call (runtime/session.py) and describes it as a `Trace`
-(runtime/trace.py), or says why the call is `Ineligible`.
+"""The `Tracer`: it watches one recorded call (replay/session.py) and describes it as a `Trace`
+(replay/trace.py), or says why the call is `Ineligible`.
 
-An argument object (a KV cache) is guarded by identity and Python state (runtime/guard.py); the
+An argument object (a KV cache) is guarded by identity and Python state (replay/guard.py); the
 tensors it holds are read where they sit, written back by the last program (a StaticCache's, in
 place), or replaced by values the programs made (a DynamicCache's, grown by a step); a call that
 changes anything else of that state is ineligible. Anything else Python did with tensor data (a random
@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from torchnative.runtime.guard import SCALARS, Snapshot, is_plain
-from torchnative.runtime.trace import GraphCall, Ineligible, Trace, module_changes
+from torchnative.replay.guard import SCALARS, Snapshot, is_plain
+from torchnative.replay.trace import GraphCall, Ineligible, Trace, module_changes
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default

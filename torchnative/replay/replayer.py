@@ -1,7 +1,7 @@
 """Replay of a forward proven stable: its compiled programs run without per-op Python work.
 
-A `Replayer` keeps, per accelerated module, the traces (runtime/trace.py) its recorded calls made,
-by guard key (runtime/guard.py: argument structure and metadata, non-tensor arguments, grad mode,
+A `Replayer` keeps, per accelerated module, the traces (replay/trace.py) its recorded calls made,
+by guard key (replay/guard.py: argument structure and metadata, non-tensor arguments, grad mode,
 training flag). When two consecutive calls with the same guards produced the same trace, later
 calls with those guards replay it: each program runs, each scalar read is checked against the
 recorded one, and a mismatch (Python would have branched differently), a changed weight, or a
@@ -22,9 +22,9 @@ from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.grad import copy_back
-from torchnative.runtime.guard import Snapshot, put
-from torchnative.runtime.trace import Ineligible, Trace, module_changes, resolve
-from torchnative.runtime.tracer import Tracer
+from torchnative.replay.guard import Snapshot, put
+from torchnative.replay.trace import Ineligible, Trace, module_changes, resolve
+from torchnative.replay.tracer import Tracer
 
 
 def _run(trace: Trace, leaves: list, snapshots: dict) -> Any:
@@ -100,7 +100,7 @@ class _Entry:
     run: int = 1
 
 
-# traces kept per module (a key holds no tensor: runtime/guard.py's Snapshot.key): one per decode
+# traces kept per module (a key holds no tensor: replay/guard.py's Snapshot.key): one per decode
 # length of a few prompts
 _KEEP = 1024
 

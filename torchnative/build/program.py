@@ -1,7 +1,7 @@
 """A compiled program: a prepared graph's partitions, each with its delegate's loaded runner, run
 in order with eager's output layouts; a partition whose delegate fails at run time falls back to
 eager (counted, reported), and an error names the op and the user's source line. Built by
-`runtime.pipeline`, cached by `runtime.program_cache`."""
+`build.pipeline`, cached by `cache.program_cache`."""
 from __future__ import annotations
 
 import time

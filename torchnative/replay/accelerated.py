@@ -1,6 +1,6 @@
 """The forward of an accelerated module (`torchnative.accelerate`): each call is replayed
-(runtime/replayer.py) when its guards (runtime/guard.py) match a trace seen twice in a row, else
-recorded in a session (runtime/session.py) that a `Tracer` watches, and the replayer learns what
+(replay/replayer.py) when its guards (replay/guard.py) match a trace seen twice in a row, else
+recorded in a session (replay/session.py) that a `Tracer` watches, and the replayer learns what
 the recording did.
 
 It is an object in the module's `__dict__`, not a closure: a module that is deep-copied or
@@ -16,12 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchnative.runtime import calibration as _calibration
-from torchnative.runtime.guard import flatten_call, guard_key, same_apart_from_objects
-from torchnative.runtime.replayer import Replayer
-from torchnative.runtime.session import real_outputs, session
-from torchnative.runtime.trace import watch
-from torchnative.runtime.tracer import Tracer
+from torchnative.cache import calibration as _calibration
+from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
+from torchnative.replay.replayer import Replayer
+from torchnative.replay.session import real_outputs, session
+from torchnative.replay.trace import watch
+from torchnative.replay.tracer import Tracer
 from torchnative.shim import current_handler
 
 

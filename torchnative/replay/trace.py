@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from torchnative.runtime.guard import real
-from torchnative.runtime.program import baked_state
+from torchnative.replay.guard import real
+from torchnative.build.program import baked_state
 
 # Bumped whenever a watched module (one of an accelerated model's) (re)registers a parameter or
 # buffer or has any attribute set (`bn.momentum = m`, `bn.eval()`, a forward's
@@ -88,7 +88,7 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
 
 @dataclass(frozen=True)
 class GraphCall:
-    program: Any                  # runtime.program.Program
+    program: Any                  # build.program.Program
     sources: tuple                # per input: ("arg", i) | ("out", step, j) | ("const", tensor)
                                   # | ("field", i, k): the k-th tensor argument object i holds
                                   # | ("view", source, shape, stride, offset): an alias of a source

@@ -1,4 +1,4 @@
-"""What a replay trace is valid for (runtime/replayer.py): the guard key of a call.
+"""What a replay trace is valid for (replay/replayer.py): the guard key of a call.
 
 A call's key is its argument structure, each tensor argument's metadata, each scalar's value,
 each other object's identity and Python state, and the grad mode, training flag and default
@@ -57,7 +57,7 @@ def object_state(x: Any, depth: int = 5, read: "Snapshot | None" = None, place: 
         read.containers.append(fields)
     owner = fields if tp is dict else x
     state = tuple((k, object_state(v, depth - 1, read, (owner, k))) for k, v in fields.items())
-    # by type, not identity: a trace reads the tensors where they sit (runtime/trace.py), so a
+    # by type, not identity: a trace reads the tensors where they sit (replay/trace.py), so a
     # new cache of the same state (each generate() makes one) replays the same trace
     return ("dict", *state) if tp is dict else (tp, *state)
 

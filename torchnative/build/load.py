@@ -13,9 +13,9 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Artifact, CompileOnly, Delegate
 from torchnative.ir import is_weight
 from torchnative.partitioner import EAGER
-from torchnative.runtime import disk_cache
-from torchnative.runtime.lower import Lowered, LoweredGraph, artifact_of
-from torchnative.runtime.program import Step
+from torchnative.build import disk_cache
+from torchnative.build.lower import Lowered, LoweredGraph, artifact_of
+from torchnative.build.program import Step
 
 
 def load(lowered: LoweredGraph, graph_key: str, keep_artifacts: bool = False) -> list[Step]:

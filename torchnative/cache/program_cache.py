@@ -21,10 +21,10 @@ from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.passes.pin import pin
-from torchnative.runtime import calibration
-from torchnative.runtime.pipeline import build_program
-from torchnative.runtime.program import Program, baked_state
-from torchnative.runtime.templates import Template, confirm, forget as forget_templates, skeleton, template_for
+from torchnative.cache import calibration
+from torchnative.build.pipeline import build_program
+from torchnative.build.program import Program, baked_state
+from torchnative.cache.templates import Template, confirm, forget as forget_templates, skeleton, template_for
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -125,7 +125,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
     every decode step) would never repay it. With `background`, a miss starts the build on the
     background thread and the graph runs on eager's program until the build is done. A graph
     whose op sequence was recorded at other sizes runs the program of the template it matches
-    (runtime/templates.py): a confirmed one's at once (sizes that changed twice change again), a
+    (cache/templates.py): a confirmed one's at once (sizes that changed twice change again), a
     candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
     recorded = node  # a miss builds its graph, or the template it matches at its sizes
     if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
@@ -187,7 +187,7 @@ def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...],
 
 def _graph(built_for: TrieNode | Template, recorded: TrieNode, sig: Signature) -> CapturedGraph:
     """The graph recorded up to `recorded`, annotated with the rules of the template it runs
-    under, if any (runtime/templates.py)."""
+    under, if any (cache/templates.py)."""
     return built_for.at(recorded, sig) if isinstance(built_for, Template) else build_graph(recorded, sig)
 
 

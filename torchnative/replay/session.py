@@ -9,8 +9,8 @@ from torchnative.recording.recorder import Recorder
 from torchnative.recording.trie import TrieNode, Signature
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
-from torchnative.runtime.program_cache import BACKGROUND, COMPILE_AFTER, program_for
-from torchnative.runtime.tracer import Tracer
+from torchnative.cache.program_cache import BACKGROUND, COMPILE_AFTER, program_for
+from torchnative.replay.tracer import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 
 
