@@ -72,7 +72,7 @@ def _last_step_inputs(decoder: Decoder, delegate: str) -> tuple:
     """The compiled program of a decode step and what it and each of its partitions were given
     (by id), seen by running one step with spies on them. Reads the runtime's program cache: a
     benchmark's window into it, nothing more."""
-    programs = [p for candidates in program_cache._programs.values() for p in candidates
+    programs = [p for p in program_cache.programs()
                 if any(s.delegate == delegate for s in p.steps or ())]
     seen: dict = {}
     spied = [(p, "run_fn") for p in programs] + [(s, "run") for p in programs for s in p.steps]

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "torchnative"
 
 # left to right; a module imports only from its own layer or those before it
 LAYERS = [
-    {"ir", "sizes", "events", "interface", "toolchain", "store", "grad", "quiet", "threads"},  # what every layer shares
+    {"ir", "sizes", "events", "interface", "toolchain", "store", "grad", "quiet", "threads", "lru"},  # what every layer shares
     {"shim"}, {"recording"}, {"passes"}, {"partitioner"}, {"delegates"}, {"build"}, {"cache"}, {"replay"}, {"bundle"}, {"inspector"},
     {"models", "cli", ""},  # "": the public API, torchnative/__init__.py
 ]
@@ -91,3 +91,47 @@ def test_the_checks_see_a_wrong_import(tmp_path):
     (tmp_path / "bad.py").write_text(source)
     (target,) = _imports("torchnative.partitioner.bad", tmp_path / "bad.py", modules)
     assert target == "torchnative.build.disk_cache" and _layer(target) > _layer("torchnative.partitioner.bad")
+
+
+# Module-level tables that grow at run time and are not bounded caches (torchnative.lru.Lru objects
+# are), each with why it cannot grow with what a process runs. ALL_CAPS tables are constants, filled
+# at import (registries, op sets), except those listed here too; a new lower-case table is either
+# an Lru or listed here with its reason.
+ALLOWED_TABLES = {
+    "torchnative.recording.ops._CLASSES": "one entry per aten op overload: bounded by torch's op set",
+    "torchnative.recording.trie.REFS": "one interned slot reference per slot number: bounded by the largest graph",
+    "torchnative.passes.pin._pins": "one entry per pinned tensor, dropped with the tensor (weakref)",
+    "torchnative.passes.pin._names": "one entry per parameter or buffer of the models given to name_tensors",
+    "torchnative.replay.guard._SPECS": "one entry per call structure (positional count, keyword names) of the code run",
+    "torchnative.replay.guard._KNOWN": "the same, by spec",
+    "torchnative.replay.trace._watched": "one entry per watched module, dropped with the module (weakref)",
+    "torchnative.store._tables": "one per delegate probe table",
+    "torchnative.events._listeners": "listeners registered and removed by the inspector",
+    "torchnative.threads._warned": "one flag",
+}
+_MAKERS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "WeakValueDictionary",
+           "WeakKeyDictionary"}
+
+
+def _module_tables(tree: ast.Module) -> list[str]:
+    """Names assigned a mutable container at module level (not in a function or class)."""
+    found = []
+    for node in tree.body:
+        targets, value = ([node.target], node.value) if isinstance(node, ast.AnnAssign) else \
+            (node.targets, node.value) if isinstance(node, ast.Assign) else ((), None)
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", None)) in _MAKERS)
+        found += [t.id for t in targets if mutable and isinstance(t, ast.Name)]
+    return found
+
+
+def _constant(name: str) -> bool:
+    return name.strip("_").isupper() or name == "__all__"
+
+
+def test_every_module_level_table_is_a_bounded_cache_or_says_why_it_cannot_grow():
+    tables = {f"{name}.{t}" for name, path in _modules().items() for t in _module_tables(ast.parse(path.read_text()))}
+    unexplained = sorted(t for t in tables - set(ALLOWED_TABLES) if not _constant(t.rpartition(".")[2]))
+    assert not unexplained, "module-level tables that grow without bound (make them torchnative.lru.Lru, or " \
+                            "say in ALLOWED_TABLES why they cannot grow):\n" + "\n".join(unexplained)
+    assert not set(ALLOWED_TABLES) - tables, f"ALLOWED_TABLES names tables that are gone: {set(ALLOWED_TABLES) - tables}"

@@ -32,13 +32,14 @@ from torchnative.replay.accelerated import install as _install
 from torchnative.replay.accelerated import uninstall as _uninstall
 from torchnative.build.program import CapturedOpError
 from torchnative.cache.program_cache import COMPILE_AFTER as _COMPILE_AFTER
+from torchnative.cache.program_cache import CACHE as _CACHE
 from torchnative.cache.program_cache import wait_for_compiles as _wait_for_compiles
 from torchnative.replay.session import session as _session
 from torchnative.shim import LazyTensor
 
 # the public surface; every other name here is private (the layers' own modules hold the rest)
 __all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "profile", "pin", "pinned", "stats",
-           "reset_stats", "availability", "load", "set_cache_dir", "wait_for_compiles", "Bundle", "BundleError", "Profile", "ProfileError",
+           "reset_stats", "availability", "load", "set_cache_dir", "set_memory_limit", "wait_for_compiles", "Bundle", "BundleError", "Profile", "ProfileError",
            "CapturedOpError", "Explanation", "Availability", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -198,7 +199,8 @@ def stats() -> dict:
     graph runs, sync points by reason, fallbacks, replays, tensors pinned (label → why),
     weights quantized (or why not), values folded (computed from weights once, at build) and
     composites fused (by name) into the partitions compiled in this process, and graph runs on
-    eager while their program compiled in the background (`compiling_runs`)."""
+    eager while their program compiled in the background (`compiling_runs`), and entries each
+    bounded table dropped (`evicted`, see `set_memory_limit`)."""
     return events.STATS.as_dict()
 
 
@@ -219,6 +221,17 @@ def load(path: str) -> Bundle:
     The returned callable takes the captured inputs by name and returns a dict of outputs; it runs
     without the model's Python code."""
     return _load(path)
+
+
+def set_memory_limit(graphs: int) -> None:
+    """Keep compiled programs of at most `graphs` graphs in memory (default
+    `torchnative.cache.program_cache.LIMIT`, 256); the tables that decide when to compile (run
+    counts, sizes seen, templates, calibration sets) scale with it. The least recently used are
+    dropped, and compiled again if their graph comes back; `stats()["evicted"]` counts what each
+    table dropped. Results never depend on it."""
+    if graphs < 1:
+        raise ValueError(f"set_memory_limit: graphs must be at least 1, got {graphs}")
+    _CACHE.resize(graphs)
 
 
 def set_cache_dir(path: str | None) -> None:

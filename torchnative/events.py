@@ -112,6 +112,7 @@ class Stats:
     compiling_runs: int = 0               # graph runs on eager while their program compiled in the background
     not_compiled: Counter = field(default_factory=Counter)  # graph runs left on eager by the cost rules, by rule
     symbolic_graphs: int = 0              # graphs made to stand for every size (torchnative.sizes)
+    evicted: Counter = field(default_factory=Counter)  # entries a bounded table dropped (torchnative.lru), by table
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -121,7 +122,8 @@ class Stats:
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
                 "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs,
-                "not_compiled": dict(self.not_compiled), "symbolic_graphs": self.symbolic_graphs}
+                "not_compiled": dict(self.not_compiled), "symbolic_graphs": self.symbolic_graphs,
+                "evicted": dict(self.evicted)}
 
 
 STATS = Stats()

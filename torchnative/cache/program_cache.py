@@ -1,7 +1,10 @@
-"""Compiled programs in memory, by graph key and guards (baked params' identity and version): the
-program for a recorded graph, built on a miss once the graph has run `compile_after` times (in a
-background thread, the graph running on eager until it is ready, or in the call), and a weight
-written between two runs pinned from then on."""
+"""The `ProgramCache`: compiled programs in memory, by graph key and guards (baked params'
+identity and version), and every table that decides when a graph's program is built — runs so far,
+sizes seen per op sequence, templates, calibration sets, background builds. The program for a
+recorded graph is built on a miss once the graph has run `compile_after` times (in a background
+thread, the graph running on eager until it is ready, or in the call), and a weight written
+between two runs pinned from then on. Every table is bounded (torchnative.lru): a process that
+runs many sizes for hours levels off, and what was dropped is compiled again if it comes back."""
 from __future__ import annotations
 
 import os
@@ -22,9 +25,10 @@ from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.passes.pin import pin
 from torchnative.cache import calibration
+from torchnative.lru import Lru
 from torchnative.build.pipeline import build_program
 from torchnative.build.program import Program, baked_state
-from torchnative.cache.templates import Template, confirm, forget as forget_templates, skeleton, template_for
+from torchnative.cache.templates import Template, Templates, confirm
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -43,9 +47,6 @@ def _under_autograd(inputs: list[torch.Tensor]) -> bool:
 # runs of a graph on eager before it is compiled: compiling for a delegate costs seconds, and a
 # graph seen once (a new shape at every decode step) would never repay it
 COMPILE_AFTER = 2
-_programs: dict = {}
-_runs: dict = {}  # (graph key, delegates) -> runs so far, for compile_after
-_first: dict = {}  # (graph key, delegates) -> its inputs' states at its first run, until it compiles
 
 # A graph whose input sizes change at every call (a decode step over transformers' DynamicCache:
 # the keys grow by one) is a new graph each time, and none repeats enough to repay its compile
@@ -53,8 +54,10 @@ _first: dict = {}  # (graph key, delegates) -> its inputs' states at its first r
 # sequence has been recorded with more input sizes than this, a size not compiled yet runs on
 # eager, and says why. Graphs of one op sequence at one size (a model's repeated layers) count once.
 SIZE_LIMIT = 8
-_sizes: dict = {}  # op sequence (with inputs' ranks and dtypes) -> the input sizes recorded with it
-_counted: set = set()  # graphs (trie nodes) whose sizes _sizes holds
+# graph keys whose programs are kept (the other tables scale with it): a GPT-2 generate() with the
+# default cache needs 2 (templates), a ResNet TTA step a few, a model called at every size that
+# no rule describes one per size
+LIMIT = 256
 
 # compiles off the critical path: one at a time (two cores: a second compile would take the
 # call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need.
@@ -65,30 +68,34 @@ _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-
 # at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
 # threading's exit hooks run in reverse order, so this one runs before the executor's own joins.
 threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futures=True))
-_building: dict = {}  # program key -> (Future of the Program, inputs and their states when submitted)
 # A call's ops release the GIL in each kernel; the compile thread takes it and keeps it until the
 # switch interval runs out (5 ms): every op of the call waited that long (a ResNet-50 TENT step of
 # 1.6 s took 17 s while ONNX export ran). A short interval while a compile runs bounds the wait.
 _SWITCH_WHILE_COMPILING = 1e-4
-_switch = sys.getswitchinterval()
-_unfinished = [0]
-_unfinished_lock = threading.Lock()
 
 
-def _submit(*args, **kwargs) -> Future:
-    with _unfinished_lock:
-        _unfinished[0] += 1
-        sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
-    job = _background.submit(*args, **kwargs)
-    job.add_done_callback(_finished)
-    return job
+class _Switch:
+    """The interpreter's switch interval, short while any background compile is unfinished."""
+
+    def __init__(self) -> None:
+        self.normal, self.unfinished, self.lock = sys.getswitchinterval(), 0, threading.Lock()
+
+    def submit(self, *args, **kwargs) -> Future:
+        with self.lock:
+            self.unfinished += 1
+            sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
+        job = _background.submit(*args, **kwargs)
+        job.add_done_callback(self._finished)
+        return job
+
+    def _finished(self, _: Future) -> None:
+        with self.lock:
+            self.unfinished -= 1
+            if not self.unfinished:
+                sys.setswitchinterval(self.normal)
 
 
-def _finished(_: Future) -> None:
-    with _unfinished_lock:
-        _unfinished[0] -= 1
-        if not _unfinished[0]:
-            sys.setswitchinterval(_switch)
+_switch = _Switch()
 
 
 class Found(NamedTuple):
@@ -98,116 +105,203 @@ class Found(NamedTuple):
     not_compiled: str = ""  # why the graph runs on eager though delegates were asked for
 
 
-def _sized(node: TrieNode) -> bool:
-    """Record node's graph under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
-    seq = skeleton(node)
-    seen = _sizes.setdefault(seq, set())
-    if node not in _counted:
-        _counted.add(node)
-        seen.add(tuple(m and m[0] for m in (n.out_metas[0] for n in node.path() if n.op == INPUT)))
-        if len(seen) == SIZE_LIMIT + 1:
-            warnings.warn(f"torchnative: a graph's sizes change between calls ({SIZE_LIMIT + 1} input sizes of one "
-                          f"op sequence of {len(seq[0])} ops): sizes not compiled yet run on eager; "
-                          "torchnative.explain() shows which", stacklevel=2)
-    return len(seen) > SIZE_LIMIT
-
-
 _VARYING = (f"sizes vary: this graph's op sequence was recorded with more than {SIZE_LIMIT} input sizes (its "
             f"sizes change between calls, e.g. a KV cache that grows) in a way no rule of its inputs' sizes "
             f"describes (torchnative.sizes), and a size compiled once would not repay its compile; it runs on eager")
 
 
-def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
-                compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
-    """The compiled program for this graph key and these guards (baked params' identity and
-    version), building it on a miss. Until the graph has run `compile_after` times it runs on
-    eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
-    every decode step) would never repay it. With `background`, a miss starts the build on the
-    background thread and the graph runs on eager's program until the build is done. A graph
-    whose op sequence was recorded at other sizes runs the program of the template it matches
-    (cache/templates.py): a confirmed one's at once (sizes that changed twice change again), a
-    candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
-    recorded = node  # a miss builds its graph, or the template it matches at its sizes
-    if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
-        calibration.keep((node, sig), inputs)
-        delegates = (eager,)
-    elif delegates != (eager,):
-        template = template_for(node, sig)
-        if template is not None and template.confirmed:
-            node, compile_after = template, 1
-        elif _sized(node) and not _compiled(node, sig, delegates, quantize, inputs):
-            events.STATS.not_compiled["sizes vary"] += 1
-            return program_for(recorded, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=_VARYING)
-        if compile_after > 1:
-            seen = _runs[node, sig, delegates] = _runs.get((node, sig, delegates), 0) + 1
-            if seen == 1:
-                _first[node, sig, delegates] = [(_ref(t), _state(t)) for t in inputs]
-            if seen < compile_after:
+class ProgramCache:
+    """Programs by (graph, signature, delegates, quantization), and what decides when one is built.
+    One per process (`CACHE`); `program_for` is its one way in: calibrate → decide → look up →
+    build."""
+
+    def __init__(self, limit: int = LIMIT):
+        self.programs = Lru(limit, "programs")
+        self.runs = Lru(4 * limit, "run counts")   # (graph, sig, delegates) -> runs so far, for compile_after
+        self.first = Lru(4 * limit, "first runs")  # (graph, sig, delegates) -> its inputs' states at its first run
+        self.sizes = Lru(limit, "sizes")           # op sequence -> the input sizes recorded with it
+        self.counted = Lru(4 * limit, "sized graphs")  # graphs whose sizes `sizes` holds
+        self.templates = Templates(limit)
+        self.calibration = Lru(limit, "calibration sets")  # graph -> the input sets kept while calibrating
+        self.building: dict = {}  # program key -> (Future of the Program, inputs and their states when submitted)
+        self.lock = threading.RLock()  # calls on several threads share the tables
+
+    def tables(self) -> list[Lru]:
+        return [self.programs, self.runs, self.first, self.sizes, self.counted, self.calibration,
+                *self.templates.tables()]
+
+    def resize(self, limit: int) -> None:
+        """Keep at most `limit` graphs' programs (the other tables scale with it)."""
+        for table in self.tables():
+            table.resize(limit * (4 if table.limit > self.programs.limit else 1))
+
+    def clear(self) -> None:
+        for table in self.tables():
+            table.clear()
+        self.building.clear()
+
+    def program_for(self, node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
+                    compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
+        """The compiled program for this graph key and these guards (baked params' identity and
+        version), building it on a miss. Until the graph has run `compile_after` times it runs on
+        eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
+        every decode step) would never repay it. With `background`, a miss starts the build on the
+        background thread and the graph runs on eager's program until the build is done. A graph
+        whose op sequence was recorded at other sizes runs the program of the template it matches
+        (cache/templates.py): a confirmed one's at once (sizes that changed twice change again), a
+        candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
+        with self.lock:
+            if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
+                self._keep_calibration_set((node, sig), inputs)
                 delegates = (eager,)
-            else:
-                _pin_written_since_first_run(node, sig, delegates, inputs)
-                if template is not None:  # one compile serves both sizes the candidate was fitted to
-                    confirm(template)
-                    node = template
-    differentiated = quantize is not None and _under_autograd(inputs)
-    if differentiated:
-        quantize = None
-    key = (node, sig, delegates, quantize)
-    candidates = _programs.get(key)
-    if candidates is None:
-        candidates = _programs[key] = []
-    if key in _building:
-        _adopt(key, candidates)
-    for p in candidates:
-        if p.valid_for(inputs):
-            events.STATS.cache_hits += 1
-            return Found(p, True, False)
-    for p in candidates:  # a weight written between two runs of this graph is updated at test time
-        for t in p.changed(inputs):
-            pin(t, f"written between two runs of graph {p.graph.key[:12]} (updated at test time): "
-                   f"now an input of every program, never baked, folded or quantized")
-    events.STATS.cache_misses += 1
-    if differentiated:
-        events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
-    candidates[:] = [p for p in candidates if not p.stale()]
-    if background and delegates != (eager,) and not calibration.active():
-        if key not in _building:
-            job = _submit(build_program, _graph(node, recorded, sig), delegates, list(inputs), quantize,
-                          calibration_sets=calibration.sets((node, sig)))
-            _building[key] = (job, list(inputs), [_state(t) for t in inputs])
-        events.STATS.compiling_runs += 1
-        return Found(program_for(recorded, sig, (eager,), inputs, 1, quantize).program, False, True)
-    p = build_program(_graph(node, recorded, sig), delegates, inputs, quantize,
-                      calibration_sets=calibration.sets((node, sig)))
-    _took(node, p)
-    candidates.append(p)
-    events.STATS.graphs_built += 1
-    return Found(p, False, False)
+            built_for = node  # a miss builds its graph, or the template it matches at its sizes
+            if delegates != (eager,):
+                built_for, delegates, why = self._decide(node, sig, delegates, inputs, compile_after, quantize)
+                if why:
+                    return self.program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=why)
+            differentiated = quantize is not None and _under_autograd(inputs)
+            if differentiated:
+                quantize = None
+            key = (built_for, sig, delegates, quantize)
+            found = self._lookup(key, inputs)
+            if found is not None:
+                events.STATS.cache_hits += 1
+                return Found(found, True, False)
+            events.STATS.cache_misses += 1
+            if differentiated:
+                events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
+            if background and delegates != (eager,) and not calibration.active():
+                self._build_in_background(key, node, inputs)
+                events.STATS.compiling_runs += 1
+                return Found(self.program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
+            p = build_program(_graph(built_for, node, sig), delegates, inputs, quantize,
+                              calibration_sets=self.calibration.get((built_for, sig), []))
+            self._took(key, p)
+            return Found(p, False, False)
+
+    def _decide(self, node: TrieNode, sig: Signature, delegates: tuple, inputs: list, compile_after: int,
+                quantize: str | None) -> tuple[TrieNode | Template, tuple, str]:
+        """What to build for this graph — its own graph or its template — and for which delegates
+        yet (eager alone until it has run `compile_after` times), or why it stays on eager."""
+        template = self.templates.template_for(node, sig)
+        built_for = node
+        if template is not None and template.confirmed:
+            built_for, compile_after = template, 1
+        elif self._sized(node) and not self._compiled((node, sig, delegates, quantize), inputs):
+            events.STATS.not_compiled["sizes vary"] += 1
+            return node, (eager,), _VARYING
+        if compile_after > 1:
+            seen = self.runs[built_for, sig, delegates] = self.runs.get((built_for, sig, delegates), 0) + 1
+            if seen == 1:
+                self.first[built_for, sig, delegates] = [(_ref(t), _state(t)) for t in inputs]
+            if seen < compile_after:
+                return built_for, (eager,), ""
+            self._pin_written_since_first_run(node, (built_for, sig, delegates), inputs)
+            if template is not None:  # one compile serves both sizes the candidate was fitted to
+                confirm(template)
+                built_for = template
+        return built_for, delegates, ""
+
+    def _lookup(self, key: tuple, inputs: list) -> Program | None:
+        """A cached program valid for these inputs; a weight baked into one that was written since
+        is pinned (its next build takes it as an input), and programs that can never run again
+        are dropped."""
+        candidates = self.programs.setdefault(key, [])
+        if key in self.building:
+            self._adopt(key, candidates)
+        for p in candidates:
+            if p.valid_for(inputs):
+                return p
+        for p in candidates:  # a weight written between two runs of this graph is updated at test time
+            for t in p.changed(inputs):
+                pin(t, f"written between two runs of graph {p.graph.key[:12]} (updated at test time): "
+                       f"now an input of every program, never baked, folded or quantized")
+        candidates[:] = [p for p in candidates if not p.stale()]
+        return None
+
+    def _build_in_background(self, key: tuple, recorded: TrieNode, inputs: list) -> None:
+        if key not in self.building:
+            built_for, sig, delegates, quantize = key
+            job = _switch.submit(build_program, _graph(built_for, recorded, sig), delegates, list(inputs), quantize,
+                                 calibration_sets=self.calibration.get((built_for, sig), []))
+            self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
+
+    def _adopt(self, key: tuple, candidates: list[Program]) -> None:
+        """Take the background build of `key` into the cache once it is done, unless a weight it baked
+        was written while it compiled (an optimizer step): its artifact may hold the old value, or
+        half of each, so it is dropped and the weight pinned (the next build takes it as an input)."""
+        job, submitted, states = self.building[key]
+        if not job.done():
+            return
+        del self.building[key]
+        p = job.result()  # a build that raised raises here, in the call, as it would have in the call
+        # indices past the submitted inputs are constants the passes computed, which no one writes
+        written = [submitted[i] for i, _, state in p.baked if i < len(submitted) and state != states[i]]
+        for t in written:
+            pin(t, "written while the program that baked it compiled in the background (updated at test "
+                   "time): now an input of every program, never baked, folded or quantized")
+        if not written:
+            self._took(key, p)
+
+    def _took(self, key: tuple, p: Program) -> None:
+        """A built program into the cache; a template takes no size beyond the ranges its
+        program's delegates took."""
+        if isinstance(key[0], Template):
+            key[0].narrow(p.ranges)
+        self.programs.setdefault(key, []).append(p)
+        events.STATS.graphs_built += 1
+
+    def _sized(self, node: TrieNode) -> bool:
+        """Record node's graph under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
+        seq = self.templates.skeleton(node)
+        seen = self.sizes.setdefault(seq, set())
+        if node not in self.counted:
+            self.counted[node] = True
+            seen.add(tuple(m and m[0] for m in (n.out_metas[0] for n in node.path() if n.op == INPUT)))
+            if len(seen) == SIZE_LIMIT + 1:
+                warnings.warn(f"torchnative: a graph's sizes change between calls ({SIZE_LIMIT + 1} input sizes of one "
+                              f"op sequence of {len(seq[0])} ops): sizes not compiled yet run on eager; "
+                              "torchnative.explain() shows which", stacklevel=2)
+        return len(seen) > SIZE_LIMIT
+
+    def _compiled(self, key: tuple, inputs: list) -> bool:
+        return key in self.building or any(p.valid_for(inputs) for p in self.programs.get(key, ()))
+
+    def _pin_written_since_first_run(self, node: TrieNode, run_key: tuple, inputs: list) -> None:
+        """A weight written between the eager runs before a graph compiles (a TENT step between two
+        forwards) would be baked into a program only to be found changed at the next run: it is
+        pinned before the first build."""
+        first = self.first.pop(run_key, None)
+        if first is None:
+            return
+        roles = [n.role for n in node.path() if n.op == INPUT]
+        for t, role, (ref, state) in zip(inputs, roles, first):
+            if role == "param" and ref is not None and ref() is t and _state(t) != state:
+                pin(t, "written between two runs of a graph before it compiled (updated at test time): now an "
+                       "input of every program, never baked, folded or quantized")
+
+    def _keep_calibration_set(self, graph: tuple, inputs: list) -> None:
+        sets = self.calibration.setdefault(graph, [])
+        if len(sets) < calibration.LIMIT:
+            # parameters are the same tensors in every set: kept by reference, not copied
+            sets.append([t.detach().clone() if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+                         else t for t in inputs])
+
+    def all_programs(self) -> list[Program]:
+        return [p for candidates in self.programs.values() for p in candidates]
+
+    def wait(self) -> None:
+        for job, _, _ in list(self.building.values()):
+            job.exception()
+
+
+CACHE = ProgramCache()
 
 
 def _graph(built_for: TrieNode | Template, recorded: TrieNode, sig: Signature) -> CapturedGraph:
     """The graph recorded up to `recorded`, annotated with the rules of the template it runs
     under, if any (cache/templates.py)."""
     return built_for.at(recorded, sig) if isinstance(built_for, Template) else build_graph(recorded, sig)
-
-
-def _pin_written_since_first_run(node: TrieNode, sig: Signature, delegates: tuple, inputs: list) -> None:
-    """A weight written between the eager runs before a graph compiles (a TENT step between two
-    forwards) would be baked into a program only to be found changed at the next run: it is
-    pinned before the first build."""
-    first = _first.pop((node, sig, delegates), None)
-    if first is None:
-        return
-    roles = [n.role for n in node.path() if n.op == INPUT]
-    for t, role, (ref, state) in zip(inputs, roles, first):
-        if role == "param" and ref is not None and ref() is t and _state(t) != state:
-            pin(t, "written between two runs of a graph before it compiled (updated at test time): now an "
-                   "input of every program, never baked, folded or quantized")
-
-
-def _compiled(node: TrieNode, sig: Signature, delegates: tuple, quantize: str | None, inputs: list) -> bool:
-    key = (node, sig, delegates, quantize)
-    return key in _building or any(p.valid_for(inputs) for p in _programs.get(key, ()))
 
 
 def _ref(x) -> weakref.ref | None:
@@ -218,51 +312,23 @@ def _state(x) -> tuple | None:
     return baked_state(x) if isinstance(x, torch.Tensor) else None
 
 
-def _adopt(key: tuple, candidates: list[Program]) -> None:
-    """Take the background build of `key` into the cache once it is done, unless a weight it baked
-    was written while it compiled (an optimizer step): its artifact may hold the old value, or
-    half of each, so it is dropped and the weight pinned (the next build takes it as an input)."""
-    job, submitted, states = _building[key]
-    if not job.done():
-        return
-    del _building[key]
-    p = job.result()  # a build that raised raises here, in the call, as it would have in the call
-    # indices past the submitted inputs are constants the passes computed, which no one writes
-    written = [submitted[i] for i, _, state in p.baked if i < len(submitted) and state != states[i]]
-    for t in written:
-        pin(t, "written while the program that baked it compiled in the background (updated at test "
-               "time): now an input of every program, never baked, folded or quantized")
-    if not written:
-        _took(key[0], p)
-        candidates.append(p)
-        events.STATS.graphs_built += 1
-
-
-def _took(built_for: TrieNode | Template, p: Program) -> None:
-    """A template takes no size beyond the ranges its program's delegates took."""
-    if isinstance(built_for, Template):
-        built_for.narrow(p.ranges)
+def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
+                compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
+    """`CACHE.program_for`: the one door into the program cache."""
+    return CACHE.program_for(node, sig, delegates, inputs, compile_after, quantize, background)
 
 
 def wait_for_compiles() -> None:
     """Block until every background compile has finished (its program is taken at the next call)."""
-    for job, _, _ in list(_building.values()):
-        job.exception()
+    CACHE.wait()
 
 
 def programs() -> list[Program]:
     """Every program in the cache (the inspector's numeric check watches them)."""
-    return [p for candidates in _programs.values() for p in candidates]
+    return CACHE.all_programs()
 
 
 def clear_caches() -> None:
     """Forget every compiled program, recorded trie path and inferred shape (a cold start)."""
-    _programs.clear()
-    _runs.clear()
-    _first.clear()
-    _sizes.clear()
-    _counted.clear()
-    forget_templates()
-    _building.clear()
-    calibration.forget()
+    CACHE.clear()
     forget_recordings()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from torchnative import events
 from torchnative.ir import CapturedGraph
+from torchnative.lru import Lru
 from torchnative.recording.trie import INPUT, Signature, TrieNode, build_graph, flatten
 from torchnative.sizes import SIZES, Flat, Sizes, fit
 
@@ -41,65 +42,70 @@ class Template:
         return annotated(node, sig, self.sizes, flatten(node, sig))
 
 
-_skeletons: dict[TrieNode, tuple] = {}
-# per skeleton: its recent graphs at distinct sizes, flattened (torchnative.sizes), to fit against
-_recent: dict[tuple, list[tuple[TrieNode, Signature, Flat]]] = {}
-_templates: dict[tuple, list[Template]] = {}
-# (node, sig) -> its template, or None with how many templates its skeleton had then (one made
-# later, from two other sizes, may match it)
-_matched: dict[tuple[TrieNode, Signature], tuple[Template | None, int]] = {}
+class Templates:
+    """The templates of every skeleton, and what fitting needs: per skeleton its recent graphs, per
+    graph its skeleton and the template it matched. Owned by the program cache; every table bounded."""
 
+    def __init__(self, limit: int):
+        self.skeletons = Lru(4 * limit, "skeletons")
+        # per skeleton: its recent graphs at distinct sizes, flattened (torchnative.sizes), to fit against
+        self.recent = Lru(limit, "recent sizes")
+        self.templates = Lru(limit, "templates")
+        # (node, sig) -> its template, or None with how many templates its skeleton had then (one
+        # made later, from two other sizes, may match it)
+        self.matched = Lru(4 * limit, "matched sizes")
 
-def skeleton(node: TrieNode) -> tuple:
-    """The op sequence of the graph recorded up to `node`, with its inputs' ranks and dtypes."""
-    found = _skeletons.get(node)
-    if found is None:
-        path = node.path()
-        inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
-        found = _skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
-                                    tuple(m and (len(m[0]), m[3]) for m in inputs))
-    return found
+    def tables(self) -> list[Lru]:
+        return [self.skeletons, self.recent, self.templates, self.matched]
 
+    def skeleton(self, node: TrieNode) -> tuple:
+        """The op sequence of the graph recorded up to `node`, with its inputs' ranks and dtypes."""
+        found = self.skeletons.get(node)
+        if found is None:
+            path = node.path()
+            inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
+            found = self.skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
+                                            tuple(m and (len(m[0]), m[3]) for m in inputs))
+        return found
 
-def template_for(node: TrieNode, sig: Signature) -> Template | None:
-    """The template this graph matches: a confirmed one, or a candidate (which a match at a third
-    size confirms); else None, after fitting the graph against a recent graph of its skeleton at
-    another size (a candidate it matches)."""
-    seq = skeleton(node)
-    templates = _templates.get(seq, ())
-    found, known = _matched.get((node, sig), (None, -1))
-    if found is None and known < len(templates):
-        flat = flatten(node, sig)
-        found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
-        if found is not None and (node, sig) not in found.fitted:  # a third size follows the rules two others made
-            confirm(found)
-        if found is None and known < 0:
-            found = _candidate(seq, node, sig, flat)
-        _matched[node, sig] = (found, len(_templates.get(seq, ())))
-    return found
+    def template_for(self, node: TrieNode, sig: Signature) -> Template | None:
+        """The template this graph matches: a confirmed one, or a candidate (which a match at a
+        third size confirms); else None, after fitting the graph against a recent graph of its
+        skeleton at another size (a candidate it matches)."""
+        seq = self.skeleton(node)
+        templates = self.templates.get(seq, ())
+        found, known = self.matched.get((node, sig), (None, -1))
+        if found is None and known < len(templates):
+            flat = flatten(node, sig)
+            found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
+            if found is not None and (node, sig) not in found.fitted:  # a third size follows the rules two others made
+                confirm(found)
+            if found is None and known < 0:
+                found = self._candidate(seq, node, sig, flat)
+            self.matched[node, sig] = (found, len(self.templates.get(seq, ())))
+        return found
+
+    def _candidate(self, seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Template | None:
+        """A template fitted from this graph and a recent graph of its skeleton at another size,
+        which this graph itself matches; None when none fits."""
+        made = None
+        kept = self.templates.setdefault(seq, [])
+        for *other, other_flat in reversed(self.recent.get(seq, ())):
+            sizes = fit(other_flat, flat)
+            if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
+                made = Template(sizes, {tuple(other), (node, sig)})
+                kept.append(made)
+                break
+        recent = self.recent.setdefault(seq, [])
+        recent.append((node, sig, flat))
+        del recent[:-_RECENT]
+        return made
 
 
 def confirm(template: Template) -> None:
     if not template.confirmed:
         template.confirmed = True
         events.STATS.symbolic_graphs += 1
-
-
-def _candidate(seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Template | None:
-    """A template fitted from this graph and a recent graph of its skeleton at another size,
-    which this graph itself matches; None when none fits."""
-    made = None
-    kept = _templates.setdefault(seq, [])
-    for *other, other_flat in reversed(_recent.get(seq, ())):
-        sizes = fit(other_flat, flat)
-        if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
-            made = Template(sizes, {tuple(other), (node, sig)})
-            kept.append(made)
-            break
-    recent = _recent.setdefault(seq, [])
-    recent.append((node, sig, flat))
-    del recent[:-_RECENT]
-    return made
 
 
 def annotated(node: TrieNode, sig: Signature, sizes: Sizes, flat: Flat) -> CapturedGraph:
@@ -114,10 +120,3 @@ def annotated(node: TrieNode, sig: Signature, sizes: Sizes, flat: Flat) -> Captu
         target, where = (call, (at[1], *at[2:])) if at[1] in ("args", "kwargs") else (outputs[at[2]], at[3:])
         target.meta.setdefault(SIZES, {})[where] = rule
     return graph
-
-
-def forget() -> None:
-    _skeletons.clear()
-    _recent.clear()
-    _templates.clear()
-    _matched.clear()

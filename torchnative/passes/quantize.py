@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from torchnative import events
 from torchnative.ir import CapturedGraph
+from torchnative.lru import Lru
 from torchnative.passes.derived import Derived, add_constant
 
 aten = torch.ops.aten
@@ -36,7 +37,9 @@ _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolut
 _MAT2 = {aten.mm.default: 1, aten.addmm.default: 2}  # where the weight operand is, (in, out)
 _VIEWS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten._unsafe_view.default,
           aten.expand.default, aten.unsqueeze.default, aten.reshape.default}
-_cache: dict = {}  # (id, version, scheme[, operand layout]) -> (weakref to the weight, quantized values)
+# (id, version, scheme[, operand layout]) -> (weakref to the weight, quantized values); each entry
+# is a copy of a weight: bounded
+_cache = Lru(1024, "quantized weights")
 
 
 def _on_path_to_matmul(u: fx.Node) -> bool:
@@ -203,7 +206,7 @@ def _cached_values(w: torch.Tensor, scheme: str, in_out: bool, shape: list[int])
 def _forget_dead() -> None:
     """Drop what the cache holds for weights no longer alive (float values are a weight's size)."""
     for k in [k for k, hit in _cache.items() if hit[0]() is None]:
-        del _cache[k]
+        _cache.pop(k)
 
 
 def quantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme: str, derived: Derived,

@@ -6,6 +6,6 @@ from torchnative.recording import meta, scalars, trie
 
 def reset() -> None:
     """Forget every recorded trie path, inferred shape and scalar site (a cold start)."""
-    trie.ROOT.children.clear()
+    trie.forget()
     scalars.forget()
     meta.forget()

@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torchnative.lru import Lru
 from torchnative.shim.door import no_dispatch_modes
 
 Meta = tuple  # (shape, stride, storage_offset, dtype)
 
 _META = torch.device("meta")
-_cache: dict = {}
+_cache = Lru(1 << 16, "inferred shapes")
 
 
 def forget() -> None:

@@ -18,7 +18,7 @@ from torchnative.shim.door import no_dispatch_modes
 
 from torchnative import events
 from torchnative.grad import copy_back
-from torchnative.recording import scalars, views
+from torchnative.recording import scalars, trie, views
 from torchnative.recording.meta import Unrecordable, infer, meta_of
 from torchnative.recording.source import user_frame
 from torchnative.recording.ops import _CLASSES, Kind, classify
@@ -419,6 +419,7 @@ class Recorder:
         n_ops = self.node.n_ops
         events.STATS.ops_recorded += n_ops
         self._reset()
+        trie.bound()
         versions = [r._version for r in roots]  # before the run: a program may write state in place
         try:
             values = self.execute(node, Signature(outputs, state), inputs, n_ops, roots)

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
+from torchnative.lru import Lru
 from torchnative.recording.meta import infer
 from torchnative.recording.source import user_instruction
 from torchnative.recording.trie import Ref
 
 _FLOAT, _REF = "\0f?", "\0r?"  # a float's and a graph value's place in a site
-_dynamic: dict[tuple, frozenset] = {}  # site -> positions of its floats that are graph inputs
-_first: dict[tuple, tuple] = {}        # (site, issue) -> its floats the first time
+_dynamic = Lru(1 << 14, "float sites")  # site -> positions of its floats that are graph inputs
+_first = Lru(1 << 14, "float issues")    # (site, issue) -> its floats the first time
 
 
 def forget() -> None:

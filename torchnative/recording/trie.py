@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torchnative import events
 from torchnative.recording.meta import meta_tensor
 from torchnative.sizes import Flat, meta_ints
 from torchnative.ir import CapturedGraph, Role
@@ -62,6 +63,8 @@ class TrieNode:
         self.answers: dict | None = None  # data reads answered here without a cut (Recorder.read)
         # ops recorded on the path to here (inputs are not ops)
         self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
+        global _nodes
+        _nodes += 1
 
     def path(self) -> list["TrieNode"]:
         nodes, n = [], self
@@ -72,7 +75,26 @@ class TrieNode:
         return nodes
 
 
+# Nodes the trie keeps before it starts over: every size never recorded records a path (a GPT-2
+# small decode step ~1500 nodes), and a process that runs for hours must level off. Starting over
+# costs the next calls of each graph one cold recording; programs and templates are the cache's.
+LIMIT = 1 << 18
+_nodes = 0
 ROOT = TrieNode(None, None, (), (), (), False)
+
+
+def bound() -> None:
+    """Start the trie over if it holds more than LIMIT nodes (between graphs: a recording in
+    progress keeps its own path)."""
+    if _nodes > LIMIT:
+        events.STATS.evicted["trie nodes"] += _nodes
+        forget()
+
+
+def forget() -> None:
+    global _nodes
+    ROOT.children.clear()
+    _nodes = 0
 
 
 def _decode(x: Any, env: dict) -> Any:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 
 from torchnative import events
 from torchnative.grad import copy_back
+from torchnative.lru import Lru
 from torchnative.replay.guard import Snapshot, put
 from torchnative.replay.trace import Ineligible, Trace, module_changes, resolve
 from torchnative.replay.tracer import Tracer
@@ -110,7 +111,7 @@ class Replayer:
 
     def __init__(self, weights: frozenset[int]):
         self.weights = weights
-        self.entries: dict[tuple, _Entry] = {}
+        self.entries = Lru(_KEEP, "traces")  # guard key -> _Entry
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
         self.last: _Entry | None = None  # the entry of the last call recorded
 
@@ -149,6 +150,4 @@ class Replayer:
             entry.trace, entry.run = trace, max(entry.run, run)
         else:
             entry = self.entries[key] = _Entry(trace, run=run)
-            if len(self.entries) > _KEEP:
-                del self.entries[next(iter(self.entries))]
         self.last = entry
