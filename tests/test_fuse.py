@@ -23,7 +23,7 @@ class FusingEager(Eager):
     composites = frozenset(COMPOSITES)
 
     def load(self, artifact):
-        graph = artifact.meta["graph"]
+        graph = artifact.live
         names = [n.name for n in graph.gm.graph.nodes if n.op == "placeholder"]
 
         def run(inputs):

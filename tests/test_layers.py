@@ -104,10 +104,12 @@ ALLOWED_TABLES = {
     "torchnative.passes.pin._names": "one entry per parameter or buffer of the models given to name_tensors",
     "torchnative.replay.guard._SPECS": "one entry per call structure (positional count, keyword names) of the code run",
     "torchnative.replay.guard._KNOWN": "the same, by spec",
-    "torchnative.replay.trace._watched": "one entry per watched module, dropped with the module (weakref)",
+    "torchnative.replay.watch._watched": "one entry per watched module, dropped with the module (weakref)",
     "torchnative.store._tables": "one per delegate probe table",
     "torchnative.events._listeners": "listeners registered and removed by the inspector",
+    "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",
     "torchnative.threads._warned": "one flag",
+    "torchnative.replay.watch._hooks": "two hook handles while any module is watched",
 }
 _MAKERS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "WeakValueDictionary",
            "WeakKeyDictionary"}

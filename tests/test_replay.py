@@ -316,3 +316,51 @@ def test_outputs_are_rebuilt_as_unflattening_builds_them():
             assert got.logits is got[0] is new[0]
         if isinstance(want, Derived):
             assert torch.equal(got.total, new[0].sum())
+
+
+def test_eval_at_the_top_of_every_forward_still_replays():
+    """TTA methods call `self.model.eval()` at the top of each forward: setting an attribute to the
+    object it holds changes nothing, so it does not count as a change a replay must see; a real
+    change (`train()` on an eval model) still does."""
+    torch.manual_seed(0)
+
+    class Method(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+
+        def forward(self, x):
+            self.model.eval()
+            return self.model(x)
+
+    method = Method()
+    ref = copy.deepcopy(method)
+    torchnative.accelerate(method, delegates=["eager"])
+    torchnative.reset_stats()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(5):
+            assert_same(method(x), ref(x))
+    assert torchnative.stats()["replays"] >= 2
+    # the first call's eval() did change the mode (a new module is in train mode): that call alone
+    assert sum(torchnative.stats()["replay_ineligible"].values()) == 1
+
+
+def test_module_setattr_is_wrapped_only_while_a_model_is_watched():
+    """Importing torchnative patches nothing; accelerate wraps Module.__setattr__ while the model
+    lives, and the last watched module's end gives it back."""
+    import gc
+    import subprocess
+    import sys
+
+    code = ("import torchnative, torch, gc\n"
+            "plain = torch.nn.Module.__setattr__\n"
+            "assert getattr(plain, '__wrapped__', None) is None, 'patched at import'\n"
+            "m = torchnative.accelerate(torch.nn.Linear(2, 2))\n"
+            "with torch.no_grad(): m(torch.randn(1, 2))\n"
+            "assert torch.nn.Module.__setattr__ is not plain\n"
+            "del m; gc.collect()\n"
+            "assert torch.nn.Module.__setattr__ is plain, 'not given back'\n")
+    gc.collect()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

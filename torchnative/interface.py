@@ -5,7 +5,7 @@ instances."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 import torch.fx as fx
@@ -39,11 +39,19 @@ class Artifact:
     """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate
     whose payload names weights instead of holding them (`external_weights`) lists them in
     `constants`; whoever stores the payload (a bundle, the disk cache) stores or finds those
-    separately and hands them back to `load`."""
+    separately and hands them back to `load`. `meta` is the delegate's own (JSON); `ranges` and
+    `bounds` are what the runtime reads: per symbol of a graph whose sizes vary (torchnative.sizes),
+    the sizes its artifact takes (torch.export found them narrower than the graph's rules) and the
+    sizes it was built for (a program per bucket, sizes.bucket)."""
     delegate: str
     payload: bytes
-    meta: dict = field(default_factory=dict)    # JSON-serializable, except the in-memory-only eager/candle
+    meta: dict = field(default_factory=dict)
     constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    ranges: dict[int, tuple[int, int]] = field(default_factory=dict)
+    bounds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # an object of this process that `load` runs in place of the payload (eager's and candle's
+    # graph): an artifact with one is never stored (disk cache, bundle)
+    live: Any = field(default=None, repr=False)
 
 
 # inputs -> outputs, new tensors; an output the graph marks "written_back" (ir.OutputRole) may be

@@ -43,7 +43,8 @@ class CapturedGraph:
     """A Core ATen `fx.GraphModule` plus the role of each placeholder and output.
 
     Every call node carries `meta["val"]` (a meta tensor: shape/dtype/stride) and
-    `meta["stack"]` ((filename, line) of the user code that issued it).
+    `meta["stack"]` ((filename, line) of the user code that issued it); every placeholder its
+    role as `meta["role"]` too, for a delegate's `supports(node)`, which sees nodes alone.
     """
     gm: fx.GraphModule
     input_roles: list[Role]
@@ -58,6 +59,10 @@ class CapturedGraph:
     # written into after the run
     writes: tuple[int, ...] = ()
     _key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for p, role in zip(self.placeholders(), self.input_roles):
+            p.meta["role"] = role
 
     def copy(self) -> "CapturedGraph":
         """The same graph in new nodes (each meta dict copied, its values shared), for passes

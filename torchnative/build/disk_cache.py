@@ -20,9 +20,10 @@ from torchnative import store
 from torchnative.interface import Artifact, Delegate
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.partitioner import Partition, Plan
+from torchnative.sizes import narrowest
 from torchnative.toolchain import fingerprint
 
-_FORMAT = 1
+_FORMAT = 2  # 2: ranges and bounds are the artifact's own fields
 
 
 def _toolchain(*delegates: Delegate) -> str:
@@ -70,7 +71,7 @@ def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifa
         discard(entry)
         return None
     store.count("hits")
-    return Artifact(delegate, payload, header["meta"], constants)
+    return Artifact(delegate, payload, header["meta"], constants, narrowest(header["ranges"]), narrowest(header["bounds"]))
 
 
 def discard(entry: str) -> None:
@@ -81,12 +82,12 @@ def discard(entry: str) -> None:
 def put(entry: str, artifact: Artifact) -> None:
     if store.directory() is None:
         return
-    try:
-        header = json.dumps({"delegate": artifact.delegate, "meta": artifact.meta, "bytes": len(artifact.payload),
-                             "sha256": hashlib.sha256(artifact.payload).hexdigest()})
-    except TypeError:  # the delegate keeps Python objects in its artifacts (candle): memory only
+    if artifact.live is not None:  # the delegate runs a Python object of this process (candle): memory only
         store.count("not cacheable")
         return
+    header = json.dumps({"delegate": artifact.delegate, "meta": artifact.meta, "ranges": artifact.ranges,
+                         "bounds": artifact.bounds, "bytes": len(artifact.payload),
+                         "sha256": hashlib.sha256(artifact.payload).hexdigest()})
     store.write(f"{entry}.entry", header.encode() + b"\n" + artifact.payload)
 
 

@@ -30,8 +30,6 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
     started = time.perf_counter()
     graph, derived = prepare(captured, inputs, quantize, eager_only=all(d is eager for d in delegates))
     inputs = inputs + derived.tensors
-    for p, role in zip(graph.placeholders(), graph.input_roles):
-        p.meta["role"] = role  # delegates' supports() may depend on it (a weight is quantized differently)
     lowered = lower(graph, delegates, inputs, [c + derived.tensors for c in calibration_sets])
     steps = load(lowered, graph.key, keep_artifacts)
     if not steps:  # no partitions: the graph runs on eager as it is
@@ -47,7 +45,7 @@ def _ranges(lowered, kind: str) -> dict[int, tuple[int, int]]:
     """The symbols' ranges the partitions' artifacts take, where narrower than their rules':
     "ranges" what the graph itself takes (torch.export found), "bounds" the sizes a program was
     built for (sizes.bucket)."""
-    return narrowest(*(part.artifact.meta.get(kind, {}) for part in lowered.partitions if part.artifact))
+    return narrowest(*(getattr(part.artifact, kind) for part in lowered.partitions if part.artifact))
 
 
 def _baked(graph: CapturedGraph, steps: list[Step]) -> set[int]:

@@ -107,11 +107,9 @@ class _Writer:
             payload, meta = built.payload, built.meta
             inputs = [n for n, r in zip(step.reads, step.graph.input_roles) if not is_weight(r)]
             constants = {local: self.weight(t, f"constants.{self.method}.g{k}.p{j}.{local}") for local, t in built.constants.items()}
-            try:
-                json.dumps(meta)
-            except TypeError as e:
-                raise BundleError(f"delegate {delegate!r} keeps Python objects in its artifacts ({e}); it "
-                                  f"cannot be saved in a bundle yet: choose other --targets (ort, xnnpack)") from e
+            if built.live is not None:
+                raise BundleError(f"delegate {delegate!r} runs a Python object of this process, not its artifact "
+                                  f"alone; it cannot be saved in a bundle yet: choose other --targets (ort, xnnpack)")
         record = {"delegate": delegate, **self.file(f"g{k}_p{j}", delegate, payload), "meta": meta,
                   "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
                   "inputs": [name(n) for n in inputs],

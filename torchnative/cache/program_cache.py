@@ -20,6 +20,7 @@ import torch
 from torchnative import events
 from torchnative.recording import reset as forget_recordings
 from torchnative.recording.trie import INPUT, TrieNode, Signature, build_graph
+from torchnative.delegates.base import fresh_dispatch_state
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
@@ -64,7 +65,8 @@ LIMIT = 256
 # Opt-in: torch.export keeps some state per process (its pre-dispatch modes: shim.door's
 # no_dispatch_modes keeps the door off it), and not all of it has been audited for a second thread.
 BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "0") == "1"
-_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background")
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background",
+                                 initializer=fresh_dispatch_state)
 # at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
 # threading's exit hooks run in reverse order, so this one runs before the executor's own joins.
 threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futures=True))

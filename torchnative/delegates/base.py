@@ -19,13 +19,24 @@ def tensors(node: fx.Node):
                 yield t
 
 
-_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile")
+_fresh = threading.local()
+
+
+def fresh_dispatch_state() -> None:
+    """Mark this thread as one that runs compiles only, its dispatch state fresh (a thread pool's
+    initializer: the compile thread here, the background compiles' in the program cache)."""
+    _fresh.yes = True
+
+
+_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile", initializer=fresh_dispatch_state)
 
 
 def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on the compile thread. A cut flushes from inside __torch_dispatch__, where torch
-    has excluded the Python dispatch key for this thread; tracing compilers (torch.export) need it,
-    so compiles run on a thread whose dispatch state is fresh. Called on that thread, runs there."""
-    if threading.current_thread().name.startswith("torchnative-compile"):
-        return fn(*args)  # the single worker waiting on itself would never return
+    """`fn(*args)` on a thread whose dispatch state is fresh. A cut flushes from inside
+    __torch_dispatch__, where torch has excluded the Python dispatch key for this thread; tracing
+    compilers (torch.export) need it, so compiles run on the compile thread, or where they are
+    (a thread marked by `fresh_dispatch_state`: the compile thread itself, which waiting on
+    itself would never return, or the background compiles')."""
+    if getattr(_fresh, "yes", False):
+        return fn(*args)
     return _compiler.submit(fn, *args).result()

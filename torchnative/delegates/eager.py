@@ -27,10 +27,10 @@ class Eager:
     def compile(self, graph: CapturedGraph) -> Artifact:
         # the artifact is the subgraph itself; the GraphModule object rides along in memory so
         # that loading in the same process does not re-trace it
-        return Artifact(self.name, graph.gm.code.encode(), {"graph": graph})
+        return Artifact(self.name, graph.gm.code.encode(), live=graph)
 
     def load(self, artifact: Artifact) -> Runner:
-        forward = symbolic(artifact.meta["graph"].gm).forward  # integers that follow a symbol from sizes
+        forward = symbolic(artifact.live.gm).forward  # integers that follow a symbol from sizes
         return lambda inputs: forward(*inputs)
 
 

@@ -126,15 +126,13 @@ class OnnxRuntime:
             _add_initializers(model, made)
         external = _externalize(model, {**graph.constants, **made})
         meta = {"n_outputs": len(outputs), "external": sorted(external)}
-        if ranges:
-            meta["ranges"] = ranges  # of the sizes that vary (torchnative.sizes): what the model takes
         if recipe:
             meta["low_bit"] = recipe
         if written:
             reused = [k for k, role in enumerate(graph.output_roles[:len(outputs)]) if role == "written_back"]
             meta.update(written=written, outputs=outputs, reused=reused)
         kept = [n for n in external if n in graph.constants] + [source for _, source in recipe.values()]
-        return Artifact(self.name, model.SerializeToString(), meta, {n: graph.constants[n] for n in kept})
+        return Artifact(self.name, model.SerializeToString(), meta, {n: graph.constants[n] for n in kept}, ranges=ranges)
 
     def load(self, artifact: Artifact) -> Runner:
         import onnxruntime as ort

@@ -102,23 +102,22 @@ class Xnnpack:
             from executorch.exir import to_edge_transform_and_lower
 
         meta = {"n_inputs": graph.runtime_inputs(), "n_outputs": len(graph.output_roles)}
+        bounds = {}
         if sizes.is_symbolic(graph.gm):
             # ExecuTorch plans memory for a symbol's largest size: this program takes sizes up to
             # the bucket of the size it was recorded at (the program cache builds one per bucket)
             graph = graph.copy()
-            meta["bounds"] = sizes.bounded(graph.gm)
+            bounds = sizes.bounded(graph.gm)
         # dense: the runner passes contiguous inputs; a .pte exported for permuted ones (a RoPE
         # partition's q and k) takes them in that dim order, and XNNPACK refuses the contiguous ones
         exported = graph.to_exported_program(dense=True)
         ranges = sizes.exported_ranges(exported, graph.gm)
-        if ranges:
-            meta["ranges"] = ranges
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
             _check_all_delegated(edge.exported_program().graph_module.graph)
             program = edge.to_executorch()
-        return Artifact(self.name, bytes(program.buffer), meta)
+        return Artifact(self.name, bytes(program.buffer), meta, ranges=ranges, bounds=sizes.narrowest(bounds))
 
     def load(self, artifact: Artifact) -> Runner:
         with quiet_import():

@@ -91,13 +91,9 @@ def explain(fn: Callable, *args, check: bool = False, **kwargs) -> Explanation:
         name_tensors(fn)  # reports name its parameters and buffers
 
     checker = Checker() if check else None
-    if checker is not None:
-        checker.watch_cached()
 
     def on_event(e: Any) -> None:
-        if checker is not None and isinstance(e, events.ProgramBuilt):
-            checker.watch(e.program)
-        elif isinstance(e, events.GraphRun):
+        if isinstance(e, events.GraphRun):
             result.graphs.append(e.graph)
             result.partitions.append(e.partitions)
             result.programs.append(e.program)

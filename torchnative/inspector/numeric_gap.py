@@ -17,7 +17,7 @@ from torchnative.inspector.profile import source_lines
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.partitioner import EAGER
 from torchnative.passes.state import SLICE_UPDATE
-from torchnative.cache import program_cache
+from torchnative.build.program import AROUND
 
 if TYPE_CHECKING:
     from torchnative.build.program import Program, Step
@@ -104,61 +104,54 @@ def gap(got: Any, want: Any) -> tuple[float, float]:
 
 
 class Checker:
-    """Wraps the runner of every delegate step of the programs it watches: each run's inputs are
-    copied (a delegate may write a state input in place), the partition's graph runs on eager on
-    the copies after the delegate, and the gap of each output is kept, the worst over the runs.
-    `close()` puts the runners back."""
+    """While open, every delegate partition a program runs (build.program.AROUND) is checked: its
+    inputs are copied (a delegate may write a state input in place), the partition's graph runs on
+    eager on the copies after the delegate, and the gap of each output is kept, the worst over the
+    runs. The programs' runners are never touched. `close()` stops listening."""
 
     def __init__(self) -> None:
-        self.rows: dict[int, PartitionGap] = {}  # by id(step)
-        self._wrapped: list[tuple[Step, Callable, Callable]] = []  # (step, its runner, the wrapper)
-
-    def watch_cached(self) -> None:
-        """The programs built before `explain` began (an accelerated model called before): they
-        run from the program cache, and no event announces them before their first run."""
-        for program in program_cache.programs():
-            self.watch(program)
-
-    def watch(self, program: Program) -> None:
-        for i, step in enumerate(program.steps):
-            if step.delegate != EAGER and id(step) not in self.rows:
-                self.rows[id(step)] = PartitionGap(program.graph.key, i, step.delegate, step.graph)
-                wrapper = self._checked(step, step.run, self.rows[id(step)])
-                self._wrapped.append((step, step.run, wrapper))
-                step.run = wrapper
+        self.rows: dict[int, tuple[PartitionGap, Callable]] = {}  # by id(step): its row and its check
+        AROUND.append(self._around)
 
     def close(self) -> list[PartitionGap]:
-        """Restore the runners; the partitions that ran, in the order they were first built or seen."""
-        for step, run, wrapper in self._wrapped:
-            if step.run is wrapper:  # else it failed at run time and the program moved it to eager
-                step.run = run
-        self._wrapped.clear()
-        return [row for row in self.rows.values() if row.runs]
+        """The partitions that ran, in the order they first ran."""
+        if self._around in AROUND:
+            AROUND.remove(self._around)
+        return [row for row, _ in self.rows.values() if row.runs]
 
-    @staticmethod
-    def _checked(step: Step, run: Callable, row: PartitionGap) -> Callable:
-        graph = step.graph
-        placeholders = graph.placeholders()
-        runtime = [k for k, role in enumerate(graph.input_roles) if not is_weight(role)]  # the runner's inputs
-        written = [k for k, p in enumerate(placeholders)
-                   if any(u.target is SLICE_UPDATE and u.args[0] is p for u in p.users)]
-        outputs = graph.outputs()
-        row.outputs = [OutputGap(n.name, str(n.target), tuple(n.meta.get("stack") or ("<unknown>", 0)), 0.0, 0.0)
-                       for n in outputs]
-        row.outputs += [OutputGap(placeholders[k].name, "written in place", ("<unknown>", 0), 0.0, 0.0) for k in written]
+    def _around(self, program: Program, index: int, step: Step, inputs: list, run: Callable) -> list:
+        if step.delegate == EAGER:
+            return run(inputs)
+        found = self.rows.get(id(step))
+        if found is None:
+            row = PartitionGap(program.graph.key, index, step.delegate, step.graph)
+            found = self.rows[id(step)] = (row, _check(step, row))
+        return found[1](inputs, run)
 
-        def checked(inputs: list) -> list:
-            args = [graph.constants.get(p.name) for p in placeholders]
-            for k, t in zip(runtime, inputs):
-                args[k] = t.detach().clone() if isinstance(t, torch.Tensor) else t
-            outs = run(inputs)
-            want = graph.gm(*args)
-            given = dict(zip(runtime, inputs))
-            pairs = [*zip(outs, want), *((given[k], args[k]) for k in written)]
-            for o, (got, expected) in zip(row.outputs, pairs):
-                max_abs, max_rel = gap(got, expected)
-                o.max_abs, o.max_rel = max(o.max_abs, max_abs), max(o.max_rel, max_rel)
-            row.runs += 1
-            return outs
 
-        return checked
+def _check(step: Step, row: PartitionGap) -> Callable:
+    graph = step.graph
+    placeholders = graph.placeholders()
+    runtime = [k for k, role in enumerate(graph.input_roles) if not is_weight(role)]  # the runner's inputs
+    written = [k for k, p in enumerate(placeholders)
+               if any(u.target is SLICE_UPDATE and u.args[0] is p for u in p.users)]
+    outputs = graph.outputs()
+    row.outputs = [OutputGap(n.name, str(n.target), tuple(n.meta.get("stack") or ("<unknown>", 0)), 0.0, 0.0)
+                   for n in outputs]
+    row.outputs += [OutputGap(placeholders[k].name, "written in place", ("<unknown>", 0), 0.0, 0.0) for k in written]
+
+    def checked(inputs: list, run: Callable) -> list:
+        args = [graph.constants.get(p.name) for p in placeholders]
+        for k, t in zip(runtime, inputs):
+            args[k] = t.detach().clone() if isinstance(t, torch.Tensor) else t
+        outs = run(inputs)
+        want = graph.gm(*args)
+        given = dict(zip(runtime, inputs))
+        pairs = [*zip(outs, want), *((given[k], args[k]) for k in written)]
+        for o, (got, expected) in zip(row.outputs, pairs):
+            max_abs, max_rel = gap(got, expected)
+            o.max_abs, o.max_rel = max(o.max_abs, max_abs), max(o.max_rel, max_rel)
+        row.runs += 1
+        return outs
+
+    return checked

@@ -25,5 +25,6 @@ def add_constant(graph: CapturedGraph, like: fx.Node, name: str) -> fx.Node:
     with g.inserting_after(existing[-1]) if existing else g.inserting_before(next(iter(g.nodes))):
         p = g.placeholder(name)
     p.meta = dict(like.meta)  # what is known of the value (its shape, that it repeats its halves) holds for the input
+    p.meta["role"] = "constant"
     graph.input_roles.append("constant")
     return p

@@ -20,7 +20,7 @@ from torchnative.cache import calibration as _calibration
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
-from torchnative.replay.trace import watch
+from torchnative.replay.watch import watch
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import current_handler
 

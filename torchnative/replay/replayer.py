@@ -24,7 +24,8 @@ from torchnative import events
 from torchnative.grad import copy_back
 from torchnative.lru import Lru
 from torchnative.replay.guard import Snapshot, put
-from torchnative.replay.trace import Ineligible, Trace, module_changes, resolve
+from torchnative.replay.trace import Ineligible, Trace, resolve
+from torchnative.replay.watch import module_changes
 from torchnative.replay.tracer import Tracer
 
 

@@ -9,65 +9,12 @@ call that cannot be described so raises `Ineligible`, which says why.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 
 from torchnative.replay.guard import real
 from torchnative.build.program import baked_state
-
-# Bumped whenever a watched module (one of an accelerated model's) (re)registers a parameter or
-# buffer or has any attribute set (`bn.momentum = m`, `bn.eval()`, a forward's
-# `self.calls += 1`): a replayed trace holds the old tensors and ran with the old Python values,
-# and skips the Python that set them, so it must not outlive them. Module.__setattr__ has no hook
-# of its own: it is wrapped, once, at import. Modules made while a call is recorded (the fx
-# GraphModules programs are built of) are not watched, so building a program changes nothing.
-_changes = 0
-# id -> weakref of each watched module: the id alone would match a new module given a freed one's
-# id, and a module's own hash may be anything (or nothing)
-_watched: dict[int, weakref.ref] = {}
-
-
-def _is_watched(module: torch.nn.Module) -> bool:
-    ref = _watched.get(id(module))
-    return ref is not None and ref() is module
-
-
-def _bump(module: torch.nn.Module, *_: Any) -> None:
-    if _is_watched(module):
-        global _changes
-        _changes += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
-torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
-_module_setattr = torch.nn.Module.__setattr__
-
-
-def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
-    if _is_watched(self):
-        global _changes
-        _changes += 1
-    _module_setattr(self, name, value)
-
-
-_setattr.__wrapped__ = _module_setattr
-torch.nn.Module.__setattr__ = _setattr
-
-
-def watch(model: torch.nn.Module) -> None:
-    """Count attribute writes of `model` and its submodules in `module_changes()`."""
-    for m in model.modules():
-        if not _is_watched(m):
-            _watched[id(m)] = weakref.ref(m, lambda _, i=id(m): _watched.pop(i, None))
-
-
-def module_changes() -> int:
-    """How many times a watched module had an attribute set or a parameter or buffer (re)registered."""
-    return _changes
-
 
 class Ineligible(Exception):
     """This call cannot be described by a trace; the message says why."""

@@ -16,7 +16,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative.replay.guard import SCALARS, Snapshot, is_plain
-from torchnative.replay.trace import GraphCall, Ineligible, Trace, module_changes
+from torchnative.replay.trace import GraphCall, Ineligible, Trace
+from torchnative.replay.watch import module_changes
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default

@@ -101,16 +101,16 @@ class Candle:
             else:
                 quantize[n.name] = w
         packed, gguf = pack(fp32, quantize, blocks, self.quant)
-        meta = {"graph": graph, "folded": {n.name for n in values}, "safetensors_bytes": len(packed),
+        meta = {"folded": sorted(n.name for n in values), "safetensors_bytes": len(packed),
                 "quantized": {origin[n]: GGUF_NAMES.get(blocks[n.name].ggml_dtype, blocks[n.name].ggml_dtype)
                               for n in kept if n.name in blocks},
                 "fp32_weights": sorted({origin[n] for n in kept if n in origin and n.name not in blocks})}
-        return Artifact(self.name, packed + gguf, meta)
+        return Artifact(self.name, packed + gguf, meta, live=graph)
 
     def _load(self, artifact: Artifact) -> Runner:
         meta = artifact.meta
         constants = unpack(memoryview(artifact.payload), meta["safetensors_bytes"])
-        return interpreter(meta["graph"], meta["folded"], constants, self.name)
+        return interpreter(artifact.live, set(meta["folded"]), constants, self.name)
 
 
 delegate = Candle("candle")

@@ -1,0 +1,82 @@
+"""Which modules' attributes a replay depends on: `module_changes()` counts every attribute set
+and every parameter or buffer (re)registered on a watched module (one of an accelerated model's):
+`bn.momentum = m`, a forward's `self.calls += 1`, `p.data`'s module re-registering. A replayed
+trace holds the old tensors and ran with the old Python values, and skips the Python that set
+them, so it must not outlive them.
+
+Module.__setattr__ has no hook of its own: it is wrapped while any module is watched (from the
+first `accelerate`), and given back when the last watched module is gone. Setting an attribute to
+the object it already holds (`self.model.eval()` on a model in eval mode, at the top of every
+forward of many TTA methods) changes nothing and counts nothing. Modules made while a call is
+recorded (the fx GraphModules programs are built of) are not watched."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+_changes = 0
+# id -> weakref of each watched module: the id alone would match a new module given a freed one's
+# id, and a module's own hash may be anything (or nothing)
+_watched: dict[int, weakref.ref] = {}
+_hooks: list = []  # while any module is watched: the registration hooks' handles
+_module_setattr = torch.nn.Module.__setattr__
+
+
+def _is_watched(module: torch.nn.Module) -> bool:
+    ref = _watched.get(id(module))
+    return ref is not None and ref() is module
+
+
+def _bump(module: torch.nn.Module, *_: Any) -> None:
+    if _is_watched(module):
+        global _changes
+        _changes += 1
+
+
+def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
+    if _is_watched(self) and self.__dict__.get(name, _setattr) is not value:
+        global _changes
+        _changes += 1
+    _module_setattr(self, name, value)
+
+
+_setattr.__wrapped__ = _module_setattr
+
+
+def _install() -> None:
+    torch.nn.Module.__setattr__ = _setattr
+    _hooks.append(torch.nn.modules.module.register_module_parameter_registration_hook(_bump))
+    _hooks.append(torch.nn.modules.module.register_module_buffer_registration_hook(_bump))
+
+
+def _uninstall() -> None:
+    torch.nn.Module.__setattr__ = _module_setattr
+    while _hooks:
+        _hooks.pop().remove()
+
+
+def _forget(i: int) -> None:
+    _watched.pop(i, None)
+    if not _watched and _hooks:
+        _uninstall()
+
+
+def watch(model: torch.nn.Module) -> None:
+    """Count attribute writes of `model` and its submodules in `module_changes()`."""
+    if not _hooks:
+        _install()
+    for m in model.modules():
+        if not _is_watched(m):
+            _watched[id(m)] = weakref.ref(m, lambda _, i=id(m): _forget(i))
+
+
+def module_changes() -> int:
+    """How many times a watched module had an attribute set or a parameter or buffer (re)registered."""
+    return _changes
+
+
+def watching() -> bool:
+    """Is Module.__setattr__ wrapped (some module is watched)?"""
+    return bool(_hooks)
