@@ -399,3 +399,42 @@ def test_two_processes_sharing_the_cache(tmp_path):
     warm = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert "'hits'" in warm.stdout and "'misses'" not in warm.stdout, warm.stdout
+
+
+def test_a_bundle_method_is_the_replay_trace_it_was_saved_from(tmp_path):
+    """The trace a call was captured as, saved and loaded back, is a replay `Trace` again: the same
+    programs in order (their partitions' delegates), the same scalar checks and the same outputs,
+    and `replay.trace.run` — the interpreter replayed calls run on — runs it to eager's results."""
+    from torchnative.bundle.build import compile_call
+    from torchnative.bundle.save import save
+    from torchnative.replay.trace import Trace, run
+
+    model, inputs, expected = _eager("GPT2LMHeadModel")
+    compiled = compile_call(model, inputs, ["xnnpack", "ort"])
+    saved = compiled.methods["forward"].trace
+    save(compiled, tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b").methods["forward"]
+    trace = loaded.trace()
+    assert isinstance(trace, Trace) and len(trace.calls) == len(saved.calls) >= 2
+    for mine, theirs in zip(trace.calls, saved.calls):
+        assert [d for d, _ in mine.program.partitions] == [d for d, _ in theirs.program.partitions]
+        assert mine.reads == theirs.reads
+    assert [s[0] for s in trace.outputs] == [s[0] for s in saved.outputs]
+    with torch.no_grad():
+        _close(run(trace, [inputs[name] for name in loaded.inputs], {}), expected)
+        _close(loaded(**inputs), expected)
+
+
+def test_one_interpreter_runs_programs_in_order():
+    """A trace's programs are called in one place (replay.trace.run), for replays and bundles; a
+    program's partitions in one place (build.program.Program._run_steps)."""
+    import ast
+
+    root = Path(torchnative.__file__).parent
+    callers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "program" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "call":
+                callers.add(path.relative_to(root).as_posix())
+    assert callers == {"replay/trace.py"}

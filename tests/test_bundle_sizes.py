@@ -68,7 +68,7 @@ def test_a_view_of_a_graph_value_follows_n(tmp_path, target):
     model = models.transformers_model("GPT2LMHeadModel", "tiny")
     method = compile_call(model, _inputs(8), [target], dynamic=parse(f"{DIMS}=2..200"))
     if target == "xnnpack":
-        artifacts = [step.artifact for s in method.methods["forward"].trace.steps for step in s.program.steps
+        artifacts = [step.artifact for s in method.methods["forward"].trace.calls for step in s.program.steps
                      if step.delegate == "xnnpack"]
         assert artifacts and all(a.bounds[0] == (2, 200) for a in artifacts if a.bounds)
         assert any(a.bounds for a in artifacts)  # partitions whose sizes follow n

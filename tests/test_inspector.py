@@ -18,7 +18,7 @@ from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.inspector.html import write_html
 from torchnative.inspector.report import short_path
-from torchnative.inspector.trace import trace_events, write_trace
+from torchnative.inspector.perfetto import trace_events, write_trace
 from tests.conftest import record
 
 DELEGATES = ["candle", "ort"]

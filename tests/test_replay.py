@@ -292,7 +292,7 @@ def test_outputs_are_rebuilt_as_unflattening_builds_them():
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import ModelOutput
 
-    from torchnative.replay.replayer import _builder
+    from torchnative.replay.trace import _builder
 
     @dataclass
     class Derived(ModelOutput):

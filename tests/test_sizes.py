@@ -10,7 +10,6 @@ import torch
 import torchnative
 from tests.conftest import assert_same
 from torchnative import models, sizes
-from torchnative.recording.trie import flatten
 from torchnative.replay import session
 from torchnative.cache.program_cache import clear_caches, programs
 from torchnative.cache.templates import annotated
@@ -40,11 +39,11 @@ def _compiled(delegate: str = "ort") -> list:
     return [p for p in programs() if any(d == delegate for d, _ in p.partitions)]
 
 
-def _recorded(monkeypatch, fn, *args) -> list[tuple]:
-    """(trie node, signature) of each graph `fn` records."""
+def _recorded(monkeypatch, fn, *args) -> list:
+    """Each graph `fn` records (recording.trie.Recorded)."""
     seen = []
     real = session.program_for
-    monkeypatch.setattr(session, "program_for", lambda node, sig, *a, **k: seen.append((node, sig)) or real(node, sig, *a, **k))
+    monkeypatch.setattr(session, "program_for", lambda graph, *a, **k: seen.append(graph) or real(graph, *a, **k))
     with torch.no_grad(), torchnative.capture(["eager"]):
         out = fn(*args)  # held: a result nobody holds is never computed
     monkeypatch.undo()
@@ -54,15 +53,15 @@ def _recorded(monkeypatch, fn, *args) -> list[tuple]:
 
 def test_fit_finds_the_rules_and_match_checks_every_one(monkeypatch):
     model = Positional()
-    (a,), (b,), (c,), (d,) = (_recorded(monkeypatch, model, *_inputs(n)) for n in (5, 9, 13, 1))
-    found = sizes.fit(flatten(*a), flatten(*b))
+    a, b, c, d = (_recorded(monkeypatch, model, *_inputs(n)) for n in (5, 9, 13, 1))
+    found = sizes.fit(a[0].flat(), b[0].flat())
     assert found is not None and len(found.defs) == 1  # x's length; the mask's is twice it
-    assert [found.match(flatten(*g)) for g in (c, b, a)] == [[13], [9], [5]]
-    assert found.match(flatten(*d)) is None  # below the symbol's range (sizes 0 and 1 are specialized)
+    assert [found.match(g[0].flat()) for g in (c, b, a)] == [[13], [9], [5]]
+    assert found.match(d[0].flat()) is None  # below the symbol's range (sizes 0 and 1 are specialized)
     (broken,) = _recorded(monkeypatch, model, *_inputs(13, 20))  # the mask no longer twice x's length
-    assert found.match(flatten(*broken)) is None
+    assert found.match(broken.flat()) is None
     # b stands for every size: its integers computed from its inputs' sizes, it runs any of them
-    graph = annotated(*b, found, flatten(*b))
+    graph = annotated(b[0], found, b[0].flat())
     gm = sizes.symbolic(graph.gm)
     assert any(n.target is torch.ops.aten.sym_size.int for n in gm.graph.nodes)
     assert any(n.target is torch.ops.aten.arange.start_step and isinstance(n.args[1], torch.fx.Node) for n in gm.graph.nodes)

@@ -180,6 +180,7 @@ def test_torch_compile_over_an_accelerated_model_is_one_opaque_call():
     import torch._dynamo.utils as dynamo_utils
 
     torch._dynamo.reset()
+    graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
     model = models.build("gpt2")
     ids = models.example_inputs("gpt2", model, batch=2, seq=8)["input_ids"]
     with torch.no_grad():
@@ -192,7 +193,7 @@ def test_torch_compile_over_an_accelerated_model_is_one_opaque_call():
             torchnative.deaccelerate(model)
     for g in got:
         assert_same(g, expected, rtol=1e-4, atol=1e-5)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 0
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs_before
     assert torchnative.stats()["graphs_built"] >= 1 and torchnative.stats()["replays"] >= 1
 
 

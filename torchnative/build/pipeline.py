@@ -1,7 +1,7 @@
 """The stages from a captured graph to a program, in order, each an artifact of its own (as
 ExecuTorch's `partition` → `preprocess`): the passes prepare the graph (`passes.prepare`), the
 partitioner plans and lowering compiles each partition (`build.lower` → `LoweredGraph`),
-loading makes runners (`build.load` → steps), and `Program` assembles them."""
+loading makes runners (`build.runners` → steps), and `Program` assembles them."""
 from __future__ import annotations
 
 import time
@@ -15,7 +15,7 @@ from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER
 from torchnative.passes import prepare
-from torchnative.build.load import load
+from torchnative.build.runners import runners
 from torchnative.build.lower import lower
 from torchnative.build.program import Program, Step
 from torchnative.sizes import narrowest
@@ -31,7 +31,7 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
     graph, derived = prepare(captured, inputs, quantize, eager_only=all(d is eager for d in delegates))
     inputs = inputs + derived.tensors
     lowered = lower(graph, delegates, inputs, [c + derived.tensors for c in calibration_sets])
-    steps = load(lowered, graph.key, keep_artifacts)
+    steps = runners(lowered, graph.key, keep_artifacts)
     if not steps:  # no partitions: the graph runs on eager as it is
         placeholders = graph.placeholders()
         steps = [Step(EAGER, graph, placeholders, placeholders, graph.outputs(), eager.load(eager.compile(graph)))]

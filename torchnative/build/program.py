@@ -40,7 +40,7 @@ class Step:
     """One partition: which graph values it reads (all, and those passed at run time: a delegate
     bakes params in), which it writes, its loaded runner, and what compiling it cost."""
     delegate: str
-    graph: CapturedGraph
+    graph: CapturedGraph | None  # None: loaded from a bundle, which keeps no graph
     reads: list[fx.Node]
     inputs: list[fx.Node]
     outputs: list[fx.Node]
@@ -48,21 +48,35 @@ class Step:
     compile_s: float = 0.0
     artifact_bytes: int = 0
     artifact: Artifact | None = None  # kept only for a program built to be saved (a bundle)
+    label: str = ""  # what an error names it by, for a loaded step (its partition and file)
+    ops: int = 0  # a loaded step's op count (a built one's is its graph's)
+
+    def n_ops(self) -> int:
+        return len(self.graph.op_nodes()) if self.graph is not None else self.ops
+
+
+class WrongOutput(RuntimeError):
+    """A partition returned a value of another shape or dtype than eager makes."""
 
 
 def _layout(n: fx.Node) -> tuple:
-    """The layout eager gives a value: its shape and strides, or, for a value whose size varies
-    (torchnative.sizes), None and the order its dims are dense in (None too when it is a view)."""
+    """The layout eager gives a value: its shape, strides and dtype, or, for a value whose size
+    varies (torchnative.sizes), None, the order its dims are dense in (None too when it is a
+    view) and its dtype."""
     val = n.meta["val"]
     if SIZES not in n.meta:
-        return val.shape, val.stride()
-    return None, dense_order(tuple(val.shape), val.stride())
+        return val.shape, val.stride(), val.dtype
+    return None, dense_order(tuple(val.shape), val.stride()), val.dtype
 
 
-def _eager_layout(value: torch.Tensor, shape: torch.Size | None, want: tuple | None) -> torch.Tensor:
-    """A delegate's output with the strides eager would have given it (`want`, for a value of
+def _eager_layout(value: torch.Tensor, shape: tuple | None, want: tuple | None, dtype: torch.dtype) -> torch.Tensor:
+    """A partition's output with the strides eager would have given it (`want`, for a value of
     `shape`; with no shape, `want` is the order of dims eager lays it out densely in): later eager
-    ops (view after permute of SDPA's output) and the user can depend on them."""
+    ops (view after permute of SDPA's output) and the user can depend on them. A value of another
+    shape or dtype than eager's is a delegate's error, raised (`WrongOutput`)."""
+    if value.dtype != dtype or (shape is not None and value.shape != shape):
+        raise WrongOutput(f"returned {str(value.dtype).removeprefix('torch.')}{list(value.shape)} for a value eager "
+                          f"makes as {str(dtype).removeprefix('torch.')}{list(shape) if shape is not None else ''}")
     if shape is None:
         if want is None:
             return value
@@ -109,6 +123,24 @@ class Program:
         self._count()
         self._index()
 
+    @classmethod
+    def assembled(cls, steps: list[Step], n_inputs: int, args: list[list[int]], results: list[int],
+                  layouts: list[list[tuple]]) -> "Program":
+        """A program of loaded runners whose plan is given, not derived from a graph (a bundle's:
+        bundle/load.py): `args[i]` are step i's argument positions in the values a run builds
+        (the `n_inputs` inputs, then each step's outputs in turn), `results` the program's
+        outputs' positions, `layouts[i]` the (shape, strides, dtype) of step i's outputs, each
+        step's checked and laid out as eager's (a bundle holds no graph to fall back to)."""
+        p = cls.__new__(cls)
+        p.captured = p.graph = None
+        p.steps, p.extra, p.declined, p.ranges, p.bounds = steps, [], (), {}, {}
+        p.baked, p._held, p._bounded = [], [], []
+        p._n_inputs, p._args, p._results, p._layouts = n_inputs, args, results, layouts
+        p._relaid = set(range(len(steps)))
+        p.run_fn = p._run_steps
+        p._count()
+        return p
+
     def stale(self) -> bool:
         """A baked param is gone or has changed since: this program can never run again."""
         return any((t := ref()) is None or baked_state(t) != state for _, ref, state in self.baked)
@@ -128,7 +160,7 @@ class Program:
 
     def _count(self) -> None:
         """(delegate, ops) per step, kept: every run's GraphRun event carries it."""
-        self.partitions = tuple((s.delegate, len(s.graph.op_nodes())) for s in self.steps)
+        self.partitions = tuple((s.delegate, s.n_ops()) for s in self.steps)
 
     def _index(self) -> None:
         """Where each step's arguments are in the list of values a run builds (the inputs, then
@@ -137,13 +169,18 @@ class Program:
         at = {n: k for k, n in enumerate(self._placeholders)}
         for s in self.steps:
             at.update((n, len(at)) for n in s.outputs)
+        self._n_inputs = len(self._placeholders)
         self._args = [[at[n] for n in s.inputs] for s in self.steps]
         self._results = [at[n] for n in self._outputs]
         self._layouts = [[_layout(n) for n in s.outputs] for s in self.steps]
+        self._relaid = {i for i, s in enumerate(self.steps) if s.delegate != EAGER}
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
-        if len(inputs) != len(self._placeholders):  # values are found by position: a list of another length misplaces all
-            raise ValueError(f"a program of {len(self._placeholders) - len(self.extra)} inputs was given "
+        """The one loop over a program's partitions: each on its arguments, its outputs checked
+        and laid out as eager's; a delegate's partition that fails runs on eager from then on
+        (counted, reported), a loaded one's failure is raised naming it."""
+        if len(inputs) != self._n_inputs:  # values are found by position: a list of another length misplaces all
+            raise ValueError(f"a program of {self._n_inputs - len(self.extra)} inputs was given "
                              f"{len(inputs) - len(self.extra)}")
         values = list(inputs)
         for i, step in enumerate(self.steps):
@@ -151,18 +188,21 @@ class Program:
             try:
                 args = [values[k] for k in self._args[i]]
                 outs = step.run(args) if not AROUND else _around(self, i, step, args, step.run)
+                if i in self._relaid:
+                    outs = [_eager_layout(v, *layout) for v, layout in zip(outs, self._layouts[i])]
             except Exception as e:
+                if step.graph is None:
+                    raise CapturedOpError(f"{step.label} failed: {type(e).__name__}: {e}") from e
                 if step.delegate == EAGER:
                     raise
-                events.fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, len(step.graph.op_nodes()))
+                events.fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, step.n_ops())
                 step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
                 self._count()
                 self._index()
                 outs = step.run([values[k] for k in self._args[i]])
-            if step.delegate != EAGER:
-                outs = [_eager_layout(v, *layout) for v, layout in zip(outs, self._layouts[i])]
             if timed:
-                events.emit(events.PartitionRun(step, self.graph.key, i, started, time.perf_counter() - started))
+                events.emit(events.PartitionRun(step, self.graph.key if self.graph is not None else "", i, started,
+                                                time.perf_counter() - started))
             values += outs
         return [values[k] for k in self._results]
 
@@ -174,6 +214,8 @@ class Program:
                 if events.timing or AROUND:
                     return self._run_steps(inputs, timed=events.timing)
                 return self.run_fn(inputs)
+        except CapturedOpError:
+            raise
         except Exception as e:
             raise self._locate(inputs, e) from e
 

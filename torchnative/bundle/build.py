@@ -27,7 +27,7 @@ from torchnative.replay.session import real_outputs, session
 
 
 @dataclass
-class Method:
+class CompiledMethod:
     trace: Trace                       # its programs built for the targets, artifacts kept
     inputs: dict[str, torch.Tensor]    # the example inputs, by argument name
     output_names: list[str]            # one per flattened output leaf
@@ -37,7 +37,7 @@ class Method:
 
 
 @dataclass
-class Buckets:
+class CompiledBuckets:
     """A method run as buckets (bundle/buckets.py): the methods compiled at each bucket's size."""
     inputs: dict[str, torch.Tensor]    # the example inputs, by argument name
     output_names: list[str]
@@ -51,12 +51,12 @@ class Captured(NamedTuple):
     trace: Trace
     run_inputs: list  # per graph run: its inputs
     out: Any
-    recorded: list  # per graph run: its (trie node, signature)
+    recorded: list  # per graph run: its graph (recording.trie.Recorded)
 
 
 @dataclass
 class Compiled:
-    methods: dict[str, Method | Buckets]  # "forward", or a causal LM's "prefill" and "decode"
+    methods: dict[str, CompiledMethod | CompiledBuckets]  # "forward", or a causal LM's "prefill" and "decode"
     weight_names: dict[int, str]       # id(parameter or buffer) -> its name in the model
     states: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # id -> (name, tensor)
     generation: dict | None = None     # how `Bundle.generate` drives the methods (see `compile_generation`)
@@ -98,7 +98,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
         raise BundleError(f"this call of {type(model).__name__} cannot be saved as a bundle: {e}. A bundle "
                           f"runs without the model's Python, so everything the call computes must pass "
                           f"through captured graphs") from e
-    if any(w[0] != "const" or id(w[1]) not in states for step in trace.steps for w in step.writes):
+    if any(w[0] != "const" or id(w[1]) not in states for step in trace.calls for w in step.writes):
         raise BundleError(f"{type(model).__name__} writes into tensors during the call (state such as a KV "
                           f"cache or BatchNorm statistics in train mode); a bundle carries only a causal LM's "
                           f"static KV cache as state (capture-and-compile of a causal LM does so by default)")
@@ -108,9 +108,9 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
 def compile_trace(trace: Trace, run_inputs: list, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
     """Each program of `trace` built again for `targets` (preference order), artifacts kept."""
     delegates = resolve(targets)
-    steps = tuple(dataclasses.replace(step, program=build_program(step.program.captured, delegates, args, quantize, keep_artifacts=True))
-                  for step, args in zip(trace.steps, run_inputs))
-    return dataclasses.replace(trace, steps=steps)
+    calls = tuple(dataclasses.replace(call, program=build_program(call.program.captured, delegates, args, quantize, keep_artifacts=True))
+                  for call, args in zip(trace.calls, run_inputs))
+    return dataclasses.replace(trace, calls=calls)
 
 
 def prepare_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list:
@@ -121,10 +121,10 @@ def prepare_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> li
         return pytree.tree_leaves(model(**inputs))
 
 
-def method(inputs: dict[str, Any], trace: Trace, out: Any, reference: list) -> Method:
+def method(inputs: dict[str, Any], trace: Trace, out: Any, reference: list) -> CompiledMethod:
     paths, _ = pytree.tree_flatten_with_path(out)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    return Method(trace, tensors, [leaf_name(p) for p, _ in paths], reference)
+    return CompiledMethod(trace, tensors, [leaf_name(p) for p, _ in paths], reference)
 
 
 def weight_names(model: torch.nn.Module) -> dict[int, str]:
@@ -150,18 +150,18 @@ def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], target
 
 
 def _dynamic_method(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference: list,
-                    targets: Sequence[str] | None, quantize: str | None, dynamic: dynamic_sizes.Dynamic) -> Method:
+                    targets: Sequence[str] | None, quantize: str | None, dynamic: dynamic_sizes.Dynamic) -> CompiledMethod:
     """The call captured at three sizes of n, each graph compiled once for every n of the range."""
     example = dynamic_sizes.example_size(inputs, dynamic)
     ns = dynamic_sizes.samples(example, dynamic)
     captured = [capture_call(model, dynamic_sizes.resized(inputs, dynamic, n)) for n in ns]
-    if len({len(c.trace.steps) for c in captured}) != 1:
+    if len({len(c.trace.calls) for c in captured}) != 1:
         raise BundleError(f"the call records another number of graphs at n = {ns[0]}, {ns[1]} and {ns[2]} (its graph "
                           f"breaks depend on n): it cannot be compiled for a range of n")
-    steps, outputs = dynamic_sizes.sized_sources([c.trace for c in captured], ns)
+    calls, outputs = dynamic_sizes.sized_sources([c.trace for c in captured], ns)
     sized = [dynamic_sizes.template(k, [c.recorded[k] for c in captured], ns, captured[1].run_inputs[k], targets, quantize,
                                     dynamic)
-             for k in range(len(steps))]
+             for k in range(len(calls))]
     low, high = max(s.low for s in sized), min(s.high for s in sized)
     if low > dynamic.low or high < dynamic.high:
         dims = ",".join(f"{name}:{d}" for name, d in dynamic.dims)
@@ -169,7 +169,7 @@ def _dynamic_method(model: torch.nn.Module, inputs: dict[str, torch.Tensor], ref
                           f"position, or a size that must stay 2 or more), not {dynamic.low}..{dynamic.high}: "
                           f"use --dynamic {dims}={max(low, dynamic.low)}..{min(high, dynamic.high)}")
     trace = dataclasses.replace(captured[0].trace, outputs=outputs,
-                                steps=tuple(dataclasses.replace(s, program=z.program) for s, z in zip(steps, sized)))
+                                calls=tuple(dataclasses.replace(s, program=z.program) for s, z in zip(calls, sized)))
     forward = method(inputs, trace, captured[0].out, reference)
     return dataclasses.replace(forward, size=dynamic.record(example), symbols=[z.symbols for z in sized])
 
@@ -183,7 +183,7 @@ def _bucketed(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference
     with torch.no_grad():
         names = [leaf_name(p) for p, _ in pytree.tree_flatten_with_path(model(**inputs))[0]]
     slices = buckets.output_slices(model, inputs, dynamic, min(max(example, dynamic.low), dynamic.high - 1))
-    methods: dict[str, Method | Buckets] = {}
+    methods: dict[str, CompiledMethod | CompiledBuckets] = {}
     made, below = [], dynamic.low
     for size, padded in buckets.sizes(dynamic):
         name = f"forward_{size}" if padded else f"forward_{size}_unpadded"
@@ -200,7 +200,7 @@ def _bucketed(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference
         methods[name] = method(at_n, compile_trace(trace, run_inputs, targets, quantize), out, expected)
         made.append((size, padded, name))
         below = size
-    forward = Buckets(inputs, names, reference, dynamic.record(example), made, slices)
+    forward = CompiledBuckets(inputs, names, reference, dynamic.record(example), made, slices)
     return Compiled({"forward": forward, **methods}, weight_names(model))
 
 

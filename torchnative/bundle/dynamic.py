@@ -19,7 +19,6 @@ import torch
 
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
-from torchnative.recording.trie import flatten
 from torchnative.build.pipeline import build_program
 from torchnative.cache.templates import annotated
 from torchnative.sizes import fit, narrowest
@@ -106,7 +105,7 @@ class Sized:
 def template(k: int, recorded: list[tuple], ns: list[int], run_inputs: list, targets: Sequence[str] | None,
              quantize: str | None, dynamic: Dynamic) -> Sized:
     """Graph k of the call, recorded at the sizes `ns`, as one program for every n of the range."""
-    flats = [flatten(*r) for r in recorded]
+    flats = [r.flat() for r in recorded]
     sizes = fit(flats[0], flats[1])
     values = [sizes.match(f) if sizes is not None else None for f in flats]
     if sizes is None or values[2] is None:
@@ -124,7 +123,7 @@ def template(k: int, recorded: list[tuple], ns: list[int], run_inputs: list, tar
     # compiled for the range asked (a delegate that plans memory for the largest size plans for its high)
     sizes = sizes.narrowed({j: (coef * dynamic.low + const, coef * dynamic.high + const)
                             for j, (coef, const) in symbols.items()})
-    program = build_program(annotated(*recorded[1], sizes, flats[1]), resolve(targets), run_inputs, quantize,
+    program = build_program(annotated(recorded[1], sizes, flats[1]), resolve(targets), run_inputs, quantize,
                             keep_artifacts=True)
     # the rules' ranges, narrowed by what the delegates took
     for j, (lo, hi) in narrowest(dict(enumerate(sizes.ranges)), program.bounds).items():
@@ -160,9 +159,9 @@ def sized_sources(traces: list, ns: list[int]) -> Any:
 
     first = traces[0]
     outputs = walk(first.outputs, traces[1].outputs, traces[2].outputs)
-    steps = tuple(replace(s, sources=walk(s.sources, t.sources, u.sources))
-                  for s, t, u in zip(first.steps, traces[1].steps, traces[2].steps))
-    if any(s.reads != t.reads or s.reads != u.reads for s, t, u in zip(first.steps, traces[1].steps, traces[2].steps)):
+    calls = tuple(replace(s, sources=walk(s.sources, t.sources, u.sources))
+                  for s, t, u in zip(first.calls, traces[1].calls, traces[2].calls))
+    if any(s.reads != t.reads or s.reads != u.reads for s, t, u in zip(first.calls, traces[1].calls, traces[2].calls)):
         raise BundleError("the model reads values that differ between sizes to choose its path: it cannot be compiled "
                           "for a range of n")
-    return steps, outputs
+    return calls, outputs

@@ -6,7 +6,7 @@ import hashlib
 import json
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 # 2: methods and states; 3: sizes as expressions in n (a method's `size`: bundle/dynamic.py); 4: a
 # method run as buckets of sizes (bundle/buckets.py). Each reads the older ones' manifests as they
@@ -96,15 +96,16 @@ class Reader:
                               f"reads ({OLDEST}..{SCHEMA}); write it again with `torchnative capture-and-compile`")
         return manifest
 
-    def checked(self, name: str, expected: dict) -> bytes:
-        """The file's bytes, after checking its size and hash against the manifest."""
+    def checked(self, name: str, expected: Any) -> bytes:
+        """The file's bytes, after checking its size and hash against the manifest's (`expected`:
+        its entry, with `bytes` and `sha256`)."""
         data = self.read(name)
-        if len(data) != expected["bytes"]:
+        if len(data) != expected.bytes:
             raise BundleError(f"{name} in {self.path} has {len(data)} bytes, the manifest says "
-                              f"{expected['bytes']}: the file is truncated or replaced; write the bundle again")
+                              f"{expected.bytes}: the file is truncated or replaced; write the bundle again")
         digest = sha256(data)
-        if digest != expected["sha256"]:
+        if digest != expected.sha256:
             raise BundleError(f"{name} in {self.path} does not match its hash in the manifest "
-                              f"(sha256 {digest[:16]}…, expected {expected['sha256'][:16]}…): the file was "
+                              f"(sha256 {digest[:16]}…, expected {expected.sha256[:16]}…): the file was "
                               f"modified or corrupted; write the bundle again")
         return data

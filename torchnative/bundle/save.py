@@ -1,8 +1,9 @@
-"""Compiled methods → the files of a bundle (DESIGN.md §7). Every graph value gets a global name
-("<method>.g<program>.<node>"); the manifest says, per method and program, where its inputs come
-from (an argument, an earlier program's output, a weight, a state), then its partitions in
-execution order with the values each reads and writes, and which states its last outputs are
-the new values of. Weights are stored once, whichever methods read them."""
+"""Compiled methods → the files of a bundle (DESIGN.md §7). A method is its replay trace written
+out (bundle/manifest.py): every graph value gets a global name ("<method>.g<program>.<node>");
+per program, where its inputs come from (an argument, an earlier program's output, a weight, a
+state), its partitions in execution order with the values each reads and writes, the scalars
+Python read, and which states its last outputs are the new values of. Weights are stored once,
+whichever methods read them."""
 from __future__ import annotations
 
 import io
@@ -15,7 +16,8 @@ import torch
 import torch.fx as fx
 
 from torchnative.bundle import dynamic
-from torchnative.bundle.build import Buckets, Compiled, Method
+from torchnative.bundle import manifest as m
+from torchnative.bundle.build import CompiledBuckets, Compiled, CompiledMethod
 from torchnative.bundle.format import OLDEST, SCHEMA, SIZED, WEIGHTS, BundleError, sha256, write
 from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
@@ -35,12 +37,12 @@ def _spec(t: torch.Tensor) -> dict:
     return {"dtype": _dtype(t), "shape": list(t.shape)}
 
 
-def _range(t: torch.Tensor) -> dict:
+def _range(t: torch.Tensor) -> list[int] | None:
     """The example's value range of an integer input (token ids, a mask): `run --input x=random`
     draws from it."""
     if t.dtype.is_floating_point or t.dtype.is_complex or t.numel() == 0:
-        return {}
-    return {"range": [int(t.min()), int(t.max())]}
+        return None
+    return [int(t.min()), int(t.max())]
 
 
 def _exported(graph: CapturedGraph) -> bytes:
@@ -78,23 +80,24 @@ class _Writer:
             self.weights[name] = t.detach().contiguous().clone()
         return name
 
-    def source(self, src: tuple, k: int, i: int) -> dict:
+    def source(self, src: tuple, k: int, i: int) -> m.Source:
+        """A trace source (replay/trace.py) as the manifest says it."""
         kind = src[0]
         if kind == "arg":
-            return {"arg": self.inputs[src[1]]}
+            return m.Source(arg=self.inputs[src[1]])
         if kind == "out":
-            return {"value": self.values[src[1]][src[2]]}
+            return m.Source(value=self.values[src[1]][src[2]])
         if kind == "view":
-            return {"view": self.source(src[1], k, i), "shape": list(src[2]), "stride": list(src[3]), "offset": src[4]}
+            return m.Source(view=self.source(src[1], k, i), shape=list(src[2]), stride=list(src[3]), offset=src[4])
         if kind == "const" and id(src[1]) in self.compiled.states:
-            return {"state": self.compiled.states[id(src[1])][0]}
+            return m.Source(state=self.compiled.states[id(src[1])][0])
         if kind == "const":
-            return {"weight": self.weight(src[1], f"constants.{self.method}.g{k}.in{i}")}
+            return m.Source(weight=self.weight(src[1], f"constants.{self.method}.g{k}.in{i}"))
         if kind == "py":
-            return {"py": src[1]}
+            return m.Source(py=src[1])
         raise BundleError(f"an input of graph {k} comes from {kind!r}, which a bundle cannot hold")
 
-    def partition(self, k: int, j: int, step: Step, name: Callable[[fx.Node], str]) -> dict:
+    def partition(self, k: int, j: int, step: Step, name: Callable[[fx.Node], str]) -> m.PartitionEntry:
         """A partition's file and how to run it. A compile-only delegate's partition (Core ML off
         macOS) ran on eager when built: the bundle holds its artifact, for the device, and eager's
         program as the `fallback` that runs where the delegate does not."""
@@ -110,15 +113,15 @@ class _Writer:
             if built.live is not None:
                 raise BundleError(f"delegate {delegate!r} runs a Python object of this process, not its artifact "
                                   f"alone; it cannot be saved in a bundle yet: choose other --targets (ort, xnnpack)")
-        record = {"delegate": delegate, **self.file(f"g{k}_p{j}", delegate, payload), "meta": meta,
-                  "constants": constants, "ops": len(step.graph.op_nodes()), "op_counts": dict(step.graph.op_counts()),
-                  "inputs": [name(n) for n in inputs],
-                  "outputs": [{"value": name(n), **self.layout(k, n)} for n in step.outputs],
-                  "compile_s": round(step.compile_s, 3)}
+        fallback = None
         if built is not None and step.delegate == eager.name:
-            record["fallback"] = {**self.file(f"g{k}_p{j}", eager.name, _exported(step.graph)),
-                                  "inputs": [name(n) for n in step.reads]}
-        return record
+            fallback = m.Fallback(**self.file(f"g{k}_p{j}", eager.name, _exported(step.graph)),
+                                  inputs=[name(n) for n in step.reads])
+        return m.PartitionEntry(delegate=delegate, **self.file(f"g{k}_p{j}", delegate, payload), meta=meta,
+                           constants=constants, ops=len(step.graph.op_nodes()), op_counts=dict(step.graph.op_counts()),
+                           inputs=[name(n) for n in inputs],
+                           outputs=[m.PartitionOutput(value=name(n), **self.layout(k, n)) for n in step.outputs],
+                           compile_s=round(step.compile_s, 3), fallback=fallback)
 
     def layout(self, k: int, n: fx.Node) -> dict:
         """A graph value's dtype, shape and strides; in a method whose sizes follow n, each that
@@ -146,74 +149,68 @@ class _Writer:
         self.files[path] = payload
         return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
 
-    def program(self, k: int, trace_step: trace.GraphCall) -> dict:
-        program: Program = trace_step.program
+    def program(self, k: int, call: trace.GraphCall) -> m.ProgramEntry:
+        program: Program = call.program
         name = lambda n: f"{self.method}.g{k}.{n.name}"  # noqa: E731
         placeholders = program.graph.placeholders()
         out_node = program.graph.output_node()
         # a value only delegates read is compiled into their artifacts: the bundle need not carry it
         needed = {n for s in program.steps for n in s.inputs} | set(out_node.args[0])
-        sources = [*trace_step.sources, *(("const", t) for t in program.extra)]
-        inputs = [{"value": name(n), "from": self.source(s, k, i)}
-                  for i, (n, s) in enumerate(zip(placeholders, sources)) if n in needed]
-        for i, n in zip(inputs, [n for n in placeholders if n in needed]):
-            if "state" in i["from"]:  # what the graph was compiled for: a loader checks the state spec against it
-                i.update(_spec(n.meta["val"]))
+        sources = [*call.sources, *(("const", t) for t in program.extra)]
+        inputs = []
+        for i, (n, src) in enumerate(zip(placeholders, sources)):
+            if n in needed:
+                source = self.source(src, k, i)
+                # a state's shape is what the graph was compiled for: a loader checks the state spec against it
+                inputs.append(m.ProgramInput(name(n), source, **(_spec(n.meta["val"]) if source.state else {})))
         outputs = [name(n) for n in out_node.args[0]]
         self.values.append(outputs)
         checks = []
-        for j, expected in trace_step.reads:
+        for j, expected in call.reads:
             node = out_node.args[0][j]
             filename, line = node.meta.get("stack") or ("<unknown>", 0)
-            checks.append({"value": outputs[j], "equals": expected, "op": str(node.target), "at": f"{filename}:{line}"})
-        writes = [self.source(w, k, -1) for w in trace_step.writes]
-        if any("state" not in w for w in writes):
+            checks.append(m.Check(outputs[j], expected, str(node.target), f"{filename}:{line}"))
+        writes = [self.source(w, k, -1) for w in call.writes]
+        if any(w.state is None for w in writes):
             raise BundleError(f"graph {k} of {self.method} writes into a tensor that is not a state of the bundle")
-        return {"key": program.graph.key, "inputs": inputs,
-                "partitions": [self.partition(k, j, s, name) for j, s in enumerate(program.steps)],
-                "outputs": outputs, "checks": checks, "writes": [w["state"] for w in writes]}
+        return m.ProgramEntry(program.graph.key, inputs, [self.partition(k, j, s, name) for j, s in enumerate(program.steps)],
+                         outputs, checks, [w.state for w in writes])
 
-    def method_record(self, name: str, method: Method | Buckets) -> dict:
-        if isinstance(method, Buckets):
-            return {"inputs": _inputs(method), "size": method.size,
-                    "outputs": [{"name": n, "slice": s} for n, s in zip(method.output_names, method.slices)],
-                    "buckets": [{"n": size, "padded": padded, "method": m} for size, padded, m in method.buckets]}
+    def method_record(self, name: str, method: CompiledMethod | CompiledBuckets) -> m.MethodEntry:
+        if isinstance(method, CompiledBuckets):
+            return m.MethodEntry(_inputs(method), [m.Output(n, slice=s) for n, s in zip(method.output_names, method.slices)],
+                            size=method.size, buckets=[m.Bucket(size, padded, b) for size, padded, b in method.buckets])
         self.method, self.inputs, self.values, self.symbols = name, list(method.inputs), [], method.symbols
-        programs = [self.program(k, s) for k, s in enumerate(method.trace.steps)]
-        outputs = [{"name": n, "from": self.source(s, -1, i)} for i, (n, s) in enumerate(zip(method.output_names, method.trace.outputs))]
-        return {"inputs": _inputs(method), "outputs": outputs, "programs": programs,
-                **({"size": method.size} if method.size else {})}
+        programs = [self.program(k, s) for k, s in enumerate(method.trace.calls)]
+        outputs = [m.Output(n, self.source(s, -1, i)) for i, (n, s) in enumerate(zip(method.output_names, method.trace.outputs))]
+        return m.MethodEntry(_inputs(method), outputs, programs, size=method.size or None)
 
     def files_and_manifest(self, model: str) -> dict[str, bytes]:
         from safetensors.torch import save
 
-        methods = {name: self.method_record(name, m) for name, m in self.compiled.methods.items()}
+        methods = {name: self.method_record(name, method) for name, method in self.compiled.methods.items()}
         self.files[WEIGHTS] = save(self.weights)
-        delegates = {p["delegate"] for m in methods.values() for g in m.get("programs", ()) for p in g["partitions"]}
-        manifest = {
+        delegates = {p.delegate for method in methods.values() for g in method.programs for p in g.partitions}
+        manifest = m.Manifest(
             # written as the oldest schema whose readers run it
-            "schema": SCHEMA if any("buckets" in m for m in methods.values()) else
-            SIZED if any("size" in m for m in methods.values()) else OLDEST, "model": model, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "toolchain": versions(p for d in delegates for p in REGISTRY[d].toolchain),
-            "weights": {"file": WEIGHTS, "bytes": len(self.files[WEIGHTS]), "sha256": sha256(self.files[WEIGHTS]),
-                        "tensors": {n: _spec(t) for n, t in self.weights.items()}},
-            "pinned": [{"name": n, "reason": pin.reason(t)} for n, t in self.originals.items() if pin.is_pinned(t)],
-            "state": [{"name": n, **_spec(t), "init": "zeros"} for n, t in self.compiled.states.values()],
-            "methods": methods,
-        }
-        if self.compiled.generation is not None:
-            manifest["generate"] = self.compiled.generation
-        self.files["manifest.json"] = json.dumps(manifest, indent=1).encode()
+            schema=SCHEMA if any(method.buckets for method in methods.values()) else
+            SIZED if any(method.size for method in methods.values()) else OLDEST,
+            model=model, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            toolchain=versions(p for d in delegates for p in REGISTRY[d].toolchain),
+            weights=m.Weights(WEIGHTS, len(self.files[WEIGHTS]), sha256(self.files[WEIGHTS]),
+                              {n: _spec(t) for n, t in self.weights.items()}),
+            pinned=[m.Pinned(n, pin.reason(t)) for n, t in self.originals.items() if pin.is_pinned(t)],
+            state=[m.State(n, **_spec(t), init="zeros") for n, t in self.compiled.states.values()],
+            methods=methods, generate=self.compiled.generation)
+        self.files["manifest.json"] = json.dumps(manifest.to_json(), indent=1).encode()
         return self.files
 
 
-def _inputs(method: Method | Buckets) -> list[dict]:
+def _inputs(method: CompiledMethod | CompiledBuckets) -> list[m.Input]:
     """A method's inputs as the manifest describes them: a dim that follows n as "n"."""
     sized = {tuple(d) for d in method.size["dims"]} if method.size else set()
-    inputs = [{"name": n, **_spec(t), **_range(t)} for n, t in method.inputs.items()]
-    for i in inputs:
-        i["shape"] = ["n" if (i["name"], d) in sized else size for d, size in enumerate(i["shape"])]
-    return inputs
+    return [m.Input(n, _dtype(t), ["n" if (n, d) in sized else size for d, size in enumerate(t.shape)], _range(t))
+            for n, t in method.inputs.items()]
 
 
 def bundle_files(compiled: Compiled, model: str) -> dict[str, bytes]:

@@ -19,7 +19,7 @@ import torch
 
 from torchnative import events
 from torchnative.recording import reset as forget_recordings
-from torchnative.recording.trie import INPUT, TrieNode, Signature, build_graph
+from torchnative.recording.trie import Recorded
 from torchnative.delegates.base import fresh_dispatch_state
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
@@ -142,7 +142,7 @@ class ProgramCache:
             table.clear()
         self.building.clear()
 
-    def program_for(self, node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
+    def program_for(self, graph: Recorded, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
                     compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
         """The compiled program for this graph key and these guards (baked params' identity and
         version), building it on a miss. Until the graph has run `compile_after` times it runs on
@@ -154,17 +154,17 @@ class ProgramCache:
         candidate's (a fit of two sizes) when the graph would compile, in place of its own."""
         with self.lock:
             if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
-                self._keep_calibration_set((node, sig), inputs)
+                self._keep_calibration_set(graph, inputs)
                 delegates = (eager,)
-            built_for = node  # a miss builds its graph, or the template it matches at its sizes
+            built_for = graph  # a miss builds its graph, or the template it matches at its sizes
             if delegates != (eager,):
-                built_for, delegates, why = self._decide(node, sig, delegates, inputs, compile_after, quantize)
+                built_for, delegates, why = self._decide(graph, delegates, inputs, compile_after, quantize)
                 if why:
-                    return self.program_for(node, sig, (eager,), inputs, 1, quantize)._replace(not_compiled=why)
+                    return self.program_for(graph, (eager,), inputs, 1, quantize)._replace(not_compiled=why)
             differentiated = quantize is not None and _under_autograd(inputs)
             if differentiated:
                 quantize = None
-            key = (built_for, sig, delegates, quantize)
+            key = (built_for, graph.sig, delegates, quantize)
             found = self._lookup(key, inputs)
             if found is not None:
                 events.STATS.cache_hits += 1
@@ -173,32 +173,33 @@ class ProgramCache:
             if differentiated:
                 events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
             if background and delegates != (eager,) and not calibration.active():
-                self._build_in_background(key, node, inputs)
+                self._build_in_background(key, graph, inputs)
                 events.STATS.compiling_runs += 1
-                return Found(self.program_for(node, sig, (eager,), inputs, 1, quantize).program, False, True)
-            p = build_program(_graph(built_for, node, sig), delegates, inputs, quantize,
-                              calibration_sets=self.calibration.get((built_for, sig), []))
+                return Found(self.program_for(graph, (eager,), inputs, 1, quantize).program, False, True)
+            p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
+                              calibration_sets=self.calibration.get(graph, []))
             self._took(key, p)
             return Found(p, False, False)
 
-    def _decide(self, node: TrieNode, sig: Signature, delegates: tuple, inputs: list, compile_after: int,
-                quantize: str | None) -> tuple[TrieNode | Template, tuple, str]:
+    def _decide(self, graph: Recorded, delegates: tuple, inputs: list, compile_after: int,
+                quantize: str | None) -> tuple[Recorded | Template, tuple, str]:
         """What to build for this graph — its own graph or its template — and for which delegates
         yet (eager alone until it has run `compile_after` times), or why it stays on eager."""
-        template = self.templates.template_for(node, sig)
-        built_for = node
+        template = self.templates.template_for(graph)
+        built_for = graph
         if template is not None and template.confirmed:
             built_for, compile_after = template, 1
-        elif self._sized(node) and not self._compiled((node, sig, delegates, quantize), inputs):
+        elif self._sized(graph) and not self._compiled((graph, graph.sig, delegates, quantize), inputs):
             events.STATS.not_compiled["sizes vary"] += 1
-            return node, (eager,), _VARYING
+            return graph, (eager,), _VARYING
         if compile_after > 1:
-            seen = self.runs[built_for, sig, delegates] = self.runs.get((built_for, sig, delegates), 0) + 1
+            run_key = (built_for, graph.sig, delegates)
+            seen = self.runs[run_key] = self.runs.get(run_key, 0) + 1
             if seen == 1:
-                self.first[built_for, sig, delegates] = [(_ref(t), _state(t)) for t in inputs]
+                self.first[run_key] = [(_ref(t), _state(t)) for t in inputs]
             if seen < compile_after:
                 return built_for, (eager,), ""
-            self._pin_written_since_first_run(node, (built_for, sig, delegates), inputs)
+            self._pin_written_since_first_run(graph, run_key, inputs)
             if template is not None:  # one compile serves both sizes the candidate was fitted to
                 confirm(template)
                 built_for = template
@@ -221,11 +222,11 @@ class ProgramCache:
         candidates[:] = [p for p in candidates if not p.stale()]
         return None
 
-    def _build_in_background(self, key: tuple, recorded: TrieNode, inputs: list) -> None:
+    def _build_in_background(self, key: tuple, graph: Recorded, inputs: list) -> None:
         if key not in self.building:
-            built_for, sig, delegates, quantize = key
-            job = _switch.submit(build_program, _graph(built_for, recorded, sig), delegates, list(inputs), quantize,
-                                 calibration_sets=self.calibration.get((built_for, sig), []))
+            built_for, _, delegates, quantize = key
+            job = _switch.submit(build_program, _graph(built_for, graph), delegates, list(inputs), quantize,
+                                 calibration_sets=self.calibration.get(graph, []))
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
 
     def _adopt(self, key: tuple, candidates: list[Program]) -> None:
@@ -253,13 +254,13 @@ class ProgramCache:
         self.programs.setdefault(key, []).append(p)
         events.STATS.graphs_built += 1
 
-    def _sized(self, node: TrieNode) -> bool:
-        """Record node's graph under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
-        seq = self.templates.skeleton(node)
+    def _sized(self, graph: Recorded) -> bool:
+        """Record the graph's input sizes under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
+        seq = self.templates.skeleton(graph)
         seen = self.sizes.setdefault(seq, set())
-        if node not in self.counted:
-            self.counted[node] = True
-            seen.add(tuple(m and m[0] for m in (n.out_metas[0] for n in node.path() if n.op == INPUT)))
+        if graph not in self.counted:
+            self.counted[graph] = True
+            seen.add(graph.input_shapes())
             if len(seen) == SIZE_LIMIT + 1:
                 warnings.warn(f"torchnative: a graph's sizes change between calls ({SIZE_LIMIT + 1} input sizes of one "
                               f"op sequence of {len(seq[0])} ops): sizes not compiled yet run on eager; "
@@ -269,20 +270,19 @@ class ProgramCache:
     def _compiled(self, key: tuple, inputs: list) -> bool:
         return key in self.building or any(p.valid_for(inputs) for p in self.programs.get(key, ()))
 
-    def _pin_written_since_first_run(self, node: TrieNode, run_key: tuple, inputs: list) -> None:
+    def _pin_written_since_first_run(self, graph: Recorded, run_key: tuple, inputs: list) -> None:
         """A weight written between the eager runs before a graph compiles (a TENT step between two
         forwards) would be baked into a program only to be found changed at the next run: it is
         pinned before the first build."""
         first = self.first.pop(run_key, None)
         if first is None:
             return
-        roles = [n.role for n in node.path() if n.op == INPUT]
-        for t, role, (ref, state) in zip(inputs, roles, first):
+        for t, role, (ref, state) in zip(inputs, graph.input_roles(), first):
             if role == "param" and ref is not None and ref() is t and _state(t) != state:
                 pin(t, "written between two runs of a graph before it compiled (updated at test time): now an "
                        "input of every program, never baked, folded or quantized")
 
-    def _keep_calibration_set(self, graph: tuple, inputs: list) -> None:
+    def _keep_calibration_set(self, graph: Recorded, inputs: list) -> None:
         sets = self.calibration.setdefault(graph, [])
         if len(sets) < calibration.LIMIT:
             # parameters are the same tensors in every set: kept by reference, not copied
@@ -300,10 +300,10 @@ class ProgramCache:
 CACHE = ProgramCache()
 
 
-def _graph(built_for: TrieNode | Template, recorded: TrieNode, sig: Signature) -> CapturedGraph:
-    """The graph recorded up to `recorded`, annotated with the rules of the template it runs
-    under, if any (cache/templates.py)."""
-    return built_for.at(recorded, sig) if isinstance(built_for, Template) else build_graph(recorded, sig)
+def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
+    """The recorded graph, annotated with the rules of the template it runs under, if any
+    (cache/templates.py)."""
+    return built_for.at(graph) if isinstance(built_for, Template) else graph.graph()
 
 
 def _ref(x) -> weakref.ref | None:
@@ -314,10 +314,10 @@ def _state(x) -> tuple | None:
     return baked_state(x) if isinstance(x, torch.Tensor) else None
 
 
-def program_for(node: TrieNode, sig: Signature, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
+def program_for(graph: Recorded, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
                 compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
     """`CACHE.program_for`: the one door into the program cache."""
-    return CACHE.program_for(node, sig, delegates, inputs, compile_after, quantize, background)
+    return CACHE.program_for(graph, delegates, inputs, compile_after, quantize, background)
 
 
 def wait_for_compiles() -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torchnative import events
 from torchnative.ir import CapturedGraph
 from torchnative.lru import Lru
-from torchnative.recording.trie import INPUT, Signature, TrieNode, build_graph, flatten
+from torchnative.recording.trie import Recorded
 from torchnative.sizes import SIZES, Flat, Sizes, fit
 
 _RECENT = 4  # graphs of a skeleton kept to fit a new size against
@@ -28,18 +28,18 @@ _CANDIDATES = 8  # fits of a skeleton not confirmed (sizes that follow no rule f
 @dataclass(eq=False)
 class Template:
     sizes: Sizes  # the rules fitted to two graphs' integers (the later one's): they stand for every match
-    fitted: set  # the two graphs' (node, sig)
+    fitted: set  # the two graphs (Recorded)
     confirmed: bool = False  # a graph at a third size matched it, or one of the two compiled
 
     def narrow(self, ranges: dict[int, tuple[int, int]]) -> None:
         """Sizes out of these ranges (what a program's delegates took) match it no more."""
         self.sizes = self.sizes.narrowed(ranges)
 
-    def at(self, node: TrieNode, sig: Signature) -> CapturedGraph:
-        """The template at the sizes of the graph recorded up to `node` (one that matches it):
-        what a program for those sizes is built from (a delegate that plans memory for the
-        largest size builds one per bucket of sizes, sizes.bucket)."""
-        return annotated(node, sig, self.sizes, flatten(node, sig))
+    def at(self, graph: Recorded) -> CapturedGraph:
+        """The template at the sizes of a graph that matches it: what a program for those sizes
+        is built from (a delegate that plans memory for the largest size builds one per bucket of
+        sizes, sizes.bucket)."""
+        return annotated(graph, self.sizes, graph.flat())
 
 
 class Templates:
@@ -47,57 +47,53 @@ class Templates:
     graph its skeleton and the template it matched. Owned by the program cache; every table bounded."""
 
     def __init__(self, limit: int):
-        self.skeletons = Lru(4 * limit, "skeletons")
+        self.skeletons = Lru(4 * limit, "skeletons")  # graph -> its skeleton
         # per skeleton: its recent graphs at distinct sizes, flattened (torchnative.sizes), to fit against
         self.recent = Lru(limit, "recent sizes")
         self.templates = Lru(limit, "templates")
-        # (node, sig) -> its template, or None with how many templates its skeleton had then (one
+        # graph -> its template, or None with how many templates its skeleton had then (one
         # made later, from two other sizes, may match it)
         self.matched = Lru(4 * limit, "matched sizes")
 
     def tables(self) -> list[Lru]:
         return [self.skeletons, self.recent, self.templates, self.matched]
 
-    def skeleton(self, node: TrieNode) -> tuple:
-        """The op sequence of the graph recorded up to `node`, with its inputs' ranks and dtypes."""
-        found = self.skeletons.get(node)
+    def skeleton(self, graph: Recorded) -> tuple:
+        found = self.skeletons.get(graph)
         if found is None:
-            path = node.path()
-            inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
-            found = self.skeletons[node] = (tuple(n.op for n in path if n.op != INPUT),
-                                            tuple(m and (len(m[0]), m[3]) for m in inputs))
+            found = self.skeletons[graph] = graph.skeleton()
         return found
 
-    def template_for(self, node: TrieNode, sig: Signature) -> Template | None:
+    def template_for(self, graph: Recorded) -> Template | None:
         """The template this graph matches: a confirmed one, or a candidate (which a match at a
         third size confirms); else None, after fitting the graph against a recent graph of its
         skeleton at another size (a candidate it matches)."""
-        seq = self.skeleton(node)
+        seq = self.skeleton(graph)
         templates = self.templates.get(seq, ())
-        found, known = self.matched.get((node, sig), (None, -1))
+        found, known = self.matched.get(graph, (None, -1))
         if found is None and known < len(templates):
-            flat = flatten(node, sig)
+            flat = graph.flat()
             found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
-            if found is not None and (node, sig) not in found.fitted:  # a third size follows the rules two others made
+            if found is not None and graph not in found.fitted:  # a third size follows the rules two others made
                 confirm(found)
             if found is None and known < 0:
-                found = self._candidate(seq, node, sig, flat)
-            self.matched[node, sig] = (found, len(self.templates.get(seq, ())))
+                found = self._candidate(seq, graph, flat)
+            self.matched[graph] = (found, len(self.templates.get(seq, ())))
         return found
 
-    def _candidate(self, seq: tuple, node: TrieNode, sig: Signature, flat: Flat) -> Template | None:
+    def _candidate(self, seq: tuple, graph: Recorded, flat: Flat) -> Template | None:
         """A template fitted from this graph and a recent graph of its skeleton at another size,
         which this graph itself matches; None when none fits."""
         made = None
         kept = self.templates.setdefault(seq, [])
-        for *other, other_flat in reversed(self.recent.get(seq, ())):
+        for other, other_flat in reversed(self.recent.get(seq, ())):
             sizes = fit(other_flat, flat)
             if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
-                made = Template(sizes, {tuple(other), (node, sig)})
+                made = Template(sizes, {other, graph})
                 kept.append(made)
                 break
         recent = self.recent.setdefault(seq, [])
-        recent.append((node, sig, flat))
+        recent.append((graph, flat))
         del recent[:-_RECENT]
         return made
 
@@ -108,11 +104,11 @@ def confirm(template: Template) -> None:
         events.STATS.symbolic_graphs += 1
 
 
-def annotated(node: TrieNode, sig: Signature, sizes: Sizes, flat: Flat) -> CapturedGraph:
-    """The graph recorded up to `node`, each node's integers that follow a symbol marked with
-    their rules (`node.meta["sizes"]`, torchnative.sizes)."""
+def annotated(recorded: Recorded, sizes: Sizes, flat: Flat) -> CapturedGraph:
+    """The recorded graph, each node's integers that follow a symbol marked with their rules
+    (`node.meta["sizes"]`, torchnative.sizes)."""
     made: list = []
-    graph = build_graph(node, sig, made)
+    graph = recorded.graph(made)
     for rule, at in zip(sizes.rules, flat.where):
         if rule.symbol < 0:
             continue

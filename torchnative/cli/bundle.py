@@ -63,15 +63,15 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
              seconds: float, diffs: dict[str, float]):
     from rich.table import Table
 
-    from torchnative.bundle.build import Method
+    from torchnative.bundle.build import CompiledMethod
 
     per: dict[str, Counter] = {}
     declined: Counter = Counter()
-    methods = {name: m for name, m in compiled.methods.items() if isinstance(m, Method)}  # not the buckets' dispatch
-    steps = [step for m in methods.values() for step in m.trace.steps]
-    for step in steps:
-        declined.update((op, d, why) for op, d, why in step.program.declined)
-        for s in step.program.steps:
+    methods = {name: m for name, m in compiled.methods.items() if isinstance(m, CompiledMethod)}  # not the buckets' dispatch
+    calls = [call for m in methods.values() for call in m.trace.calls]
+    for call in calls:
+        declined.update((op, d, why) for op, d, why in call.program.declined)
+        for s in call.program.steps:
             # a compile-only delegate's partition ships its artifact; eager runs it here
             built = s.artifact.delegate if s.artifact is not None else s.delegate
             c = per.setdefault(built if built == s.delegate else f"{built} (eager here)", Counter())
@@ -82,7 +82,7 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     sizes = Counter()
     for name, data in files.items():
         sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
-    graphs = ", ".join(f"{name} {len(m.trace.steps)}" for name, m in methods.items())
+    graphs = ", ".join(f"{name} {len(m.trace.calls)}" for name, m in methods.items())
     table = Table(title=f"bundle {path}: graphs per method: {graphs}; {seconds:.1f} s")
     for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
@@ -286,7 +286,7 @@ def _expected(method) -> dict:
     """Each input's dtype, shape (a dynamic one's at the size it was captured with) and value range."""
     from torchnative.bundle.dynamic import evaluate
 
-    ranges = {i["name"]: i.get("range") for i in method.spec["inputs"]}
+    ranges = {i.name: i.range for i in method.spec.inputs}
     n = method.size["example"] if method.size else 0
     return {k: (dtype, tuple(evaluate(x, n) for x in shape), ranges[k]) for k, (dtype, shape) in method.inputs.items()}
 

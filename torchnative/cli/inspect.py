@@ -29,7 +29,7 @@ def inspect(path: str, html: str | None, trace: str | None) -> int:
     if html:
         click.echo(f"HTML report: {write_html(prof, html)}")
     if trace:
-        from torchnative.inspector.trace import write_trace
+        from torchnative.inspector.perfetto import write_trace
         click.echo(f"Chrome trace (open in https://ui.perfetto.dev): {write_trace(prof, trace)}")
     return 0
 

@@ -22,7 +22,7 @@ from torchnative.recording import scalars, trie, views
 from torchnative.recording.meta import Unrecordable, infer, meta_of
 from torchnative.recording.source import user_frame
 from torchnative.recording.ops import _CLASSES, Kind, classify
-from torchnative.recording.trie import INPUT, REFS, ROOT, TrieNode, Ref, Signature, build_graph
+from torchnative.recording.trie import INPUT, REFS, ROOT, Recorded, TrieNode, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(torch.empty(0, dtype=dtype, device="meta").type()).split(".")[-1].replace("Tensor", "")
 
 
-Execute = Callable[[TrieNode, Signature, list, int, list], list]  # (graph, signature, inputs, ops, roots written)
+Execute = Callable[[Recorded, list, int, list], list]  # (graph, inputs, ops, roots written)
 
 
 def _any_pending(args: tuple, kwargs: dict) -> bool:
@@ -422,7 +422,7 @@ class Recorder:
         trie.bound()
         versions = [r._version for r in roots]  # before the run: a program may write state in place
         try:
-            values = self.execute(node, Signature(outputs, state), inputs, n_ops, roots)
+            values = self.execute(Recorded(node, Signature(outputs, state)), inputs, n_ops, roots)
         except BaseException:
             for t in bases + pviews:  # their graph failed: they never get a value
                 t._slot = -1

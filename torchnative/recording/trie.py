@@ -77,7 +77,8 @@ class TrieNode:
 
 # Nodes the trie keeps before it starts over: every size never recorded records a path (a GPT-2
 # small decode step ~1500 nodes), and a process that runs for hours must level off. Starting over
-# costs the next calls of each graph one cold recording; programs and templates are the cache's.
+# costs the next calls of each graph a cold recording, and a graph of one size its compile again
+# (programs are keyed by trie path); templates, keyed by op sequence, carry over.
 LIMIT = 1 << 18
 _nodes = 0
 ROOT = TrieNode(None, None, (), (), (), False)
@@ -118,6 +119,33 @@ class Signature:
     """Which slots leave the graph: live outputs, and (input slot, new value slot) state writes."""
     outputs: tuple
     state: tuple
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A recorded graph as the layers after recording see it: a key (equal for the same trie path
+    and signature; hashable, cheap) that the recorder hands over with each graph it flushes, and
+    what can be asked of the graph. Trie nodes stay in recording/."""
+    node: TrieNode
+    sig: Signature
+
+    def graph(self, made: list | None = None) -> CapturedGraph:
+        return build_graph(self.node, self.sig, made)
+
+    def flat(self) -> Flat:
+        return flatten(self.node, self.sig)
+
+    def skeleton(self) -> tuple:
+        """The op sequence, with the inputs' ranks and dtypes: what graphs at other sizes share."""
+        path = self.node.path()
+        inputs = [n.out_metas[0] for n in path if n.op == INPUT]  # a scalar input's is None
+        return tuple(n.op for n in path if n.op != INPUT), tuple(m and (len(m[0]), m[3]) for m in inputs)
+
+    def input_shapes(self) -> tuple:
+        return tuple(m and m[0] for m in (n.out_metas[0] for n in self.node.path() if n.op == INPUT))
+
+    def input_roles(self) -> list[str]:
+        return [n.role for n in self.node.path() if n.op == INPUT]
 
 
 def flatten(node: TrieNode, sig: Signature) -> Flat:

@@ -62,11 +62,6 @@ class AcceleratedForward:
             out = forward(*args, **kwargs)
         return real_outputs(out)  # after the session: its end runs the pending graph
 
-    # torch.compile over an accelerated model (a user's, or transformers' generate(compile_config=))
-    # would trace the door itself: it failed on our lazy tensors' shapes, and where it did not it
-    # recompiled on every call. Dynamo sees the accelerated forward as one opaque call instead.
-    __call__ = torch.compiler.disable(__call__)
-
     def _guarded(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
@@ -100,9 +95,19 @@ class AcceleratedForward:
         return AcceleratedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo), self.settings)
 
 
+def _opaque_to_dynamo() -> None:
+    """torch.compile over an accelerated model (a user's, or transformers' generate(compile_config=))
+    would trace the door itself: it failed on our lazy tensors' shapes, and where it did not it
+    recompiled on every call. Dynamo sees the accelerated forward as one opaque call instead. Done
+    at the first `accelerate`: importing Dynamo costs 0.8 s, which `import torchnative` should not."""
+    if not hasattr(AcceleratedForward.__call__, "_torchdynamo_disable"):
+        AcceleratedForward.__call__ = torch.compiler.disable(AcceleratedForward.__call__)
+
+
 def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int,
             quantize: str | None, background: bool | None) -> None:
     """Make `model.forward` an AcceleratedForward (once: a second call changes nothing)."""
+    _opaque_to_dynamo()
     if isinstance(model.__dict__.get("forward"), AcceleratedForward):
         return
     original = model.__dict__.get("forward")  # an instance's own forward (another wrapper), kept

@@ -6,7 +6,7 @@ from typing import Any, Iterator, Sequence
 
 from torchnative import events, threads
 from torchnative.recording.recorder import Recorder
-from torchnative.recording.trie import TrieNode, Signature
+from torchnative.recording.trie import Recorded
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
 from torchnative.cache.program_cache import BACKGROUND, COMPILE_AFTER, program_for
@@ -16,14 +16,13 @@ from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None,
               background: bool):
-    def execute(node: TrieNode, sig: Signature, inputs: list, n_ops: int, roots: list) -> list:
-        program, hit, stand_in, not_compiled = program_for(node, sig, delegates, inputs, compile_after, quantize,
-                                                           background)
+    def execute(graph: Recorded, inputs: list, n_ops: int, roots: list) -> list:
+        program, hit, stand_in, not_compiled = program_for(graph, delegates, inputs, compile_after, quantize, background)
         values = program(inputs)
         if tracer is not None:
             if stand_in:  # a replay would keep eager's program after the delegates' one is ready
                 tracer.refuse("a graph of it is compiling in the background")
-            tracer.ran(program, inputs, values, roots, (node, sig))
+            tracer.ran(program, inputs, values, roots, graph)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values

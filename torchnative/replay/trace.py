@@ -5,16 +5,26 @@ of an accelerated module whose recording ran only compiled programs and read onl
 (`.item()`, `bool()` of a graph value) is described by a `Trace`: which programs ran (a
 `GraphCall` each), where each input came from (an argument, an earlier program's output, a
 weight), which scalar Python read after which program, and how the outputs were assembled. A
-call that cannot be described so raises `Ineligible`, which says why.
+call that cannot be described so raises `Ineligible`, which says why. `run` is the one
+interpreter of a trace: a replayed call's, and a bundle method's, which is a trace saved
+(bundle/manifest.py) and loaded back (bundle/load.py).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
+from torch.utils import _pytree as pytree
 
-from torchnative.replay.guard import real
+from torchnative import events
+from torchnative.grad import copy_back
+from torchnative.replay.guard import put, real
+from torchnative.replay.watch import module_changes
 from torchnative.build.program import baked_state
+
 
 class Ineligible(Exception):
     """This call cannot be described by a trace; the message says why."""
@@ -72,10 +82,10 @@ class GraphCall:
 
 @dataclass(frozen=True)
 class Trace:
-    steps: tuple
+    calls: tuple                  # GraphCall per program run, in order
     outputs: tuple                # per output leaf: a source, or ("py", value)
     spec: Any                     # the output's pytree structure
-    module_changes: int           # module_changes() when the call was recorded
+    module_changes: int | None    # module_changes() when the call was recorded (None: a bundle's, no module)
     # ((i, k), source): the k-th tensor argument object i holds is replaced by this value (a
     # DynamicCache's keys by the longer ones the step concatenated)
     sets: tuple = ()
@@ -88,16 +98,91 @@ class Trace:
                 return ("const", real(snapshots[src[1]].tensors[src[2]]))
             return ("view", const(src[1]), *src[2:]) if src[0] == "view" else src
 
-        steps = tuple(replace(s, sources=tuple(map(const, s.sources)), writes=tuple(map(const, s.writes)))
-                      for s in self.steps)
-        return replace(self, steps=steps, outputs=tuple(map(const, self.outputs)))
+        calls = tuple(replace(s, sources=tuple(map(const, s.sources)), writes=tuple(map(const, s.writes)))
+                      for s in self.calls)
+        return replace(self, calls=calls, outputs=tuple(map(const, self.outputs)))
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
             return ("const", id(src[1])) if src[0] == "const" else src
 
         def shape(t: Trace) -> list:
-            return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.steps]
+            return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.calls]
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets)
+
+
+class Miss(NamedTuple):
+    """A guard of a trace failed when it ran: `step`'s program, at its `read`-th scalar read
+    (None: a baked weight changed, or a module attribute was set), read `got`. Nothing was written."""
+    step: int | None
+    read: int | None = None
+    got: Any = None
+
+
+def run(trace: Trace, leaves: list, snapshots: dict) -> Any:
+    """The one interpreter of a trace, for a replayed call and a bundle's method alike: each
+    program in order on inputs from their sources, each scalar Python read checked against the
+    recorded one, then the last program's state writes (only once every guard held), the outputs
+    and what the call put into its argument objects. The call's output, or a `Miss`."""
+    if trace.module_changes is not None and trace.module_changes != module_changes():
+        return Miss(None)
+    produced: list[list] = []
+    for k, call in enumerate(trace.calls):
+        inputs = call.inputs(leaves, produced, snapshots)
+        if not call.valid_for(inputs):
+            return Miss(k)
+        values = call.program(inputs)
+        events.STATS.graph_runs += 1
+        if events.listeners:
+            events.emit(events.GraphRun(call.program.graph, True, 0, call.program.partitions, True, call.program))
+        for r, (j, expected) in enumerate(call.reads):
+            got = values[j].item()
+            if type(got) is not type(expected) or got != expected:
+                return Miss(k, r, got)
+        produced.append(values)
+    last = trace.calls[-1] if trace.calls else None
+    if last is not None and last.writes:  # only the last program writes, after every guard held
+        values = produced[-1]
+        copy_back(last.roots(leaves, produced, snapshots), values[len(values) - len(last.writes):])
+    out = [resolve(o, leaves, produced, snapshots) for o in trace.outputs]
+    for (i, k), src in trace.sets:  # what the call put into its argument objects
+        put(snapshots[i].places[k], resolve(src, leaves, produced, snapshots))
+    build = trace.__dict__.get("_build")
+    if build is None:
+        built = pytree.tree_unflatten(out, trace.spec)
+        object.__setattr__(trace, "_build", _builder(trace.spec, out, built))
+        return built
+    return build(out)
+
+
+def _builder(spec: Any, leaves: list, built: Any) -> Callable[[list], Any]:
+    """`pytree.tree_unflatten(·, spec)`, and for a flat transformers ModelOutput something
+    cheaper: its dict items and attributes set directly (its __init__ and __post_init__ took 40 us
+    of a decode step). Used only when it makes exactly what unflattening made of `leaves`: the
+    same items and attributes, each the same object or None; otherwise unflattening it is."""
+    unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
+    cls = spec.type
+    if spec.is_leaf() or not (issubclass(cls, OrderedDict) and dataclasses.is_dataclass(cls)) \
+            or not all(c.is_leaf() for c in spec.children()) or type(built) is not cls:
+        return unflatten
+    keys = list(spec.context)
+    attributes = {}  # attribute -> index of its item, or None
+    for name, value in vars(built).items():
+        same = [j for j, v in enumerate(leaves) if v is value]
+        if value is not None and not same:
+            return unflatten  # something __post_init__ derived
+        attributes[name] = (keys.index(name) if name in keys else same[0]) if value is not None else None
+
+    def build(values: list) -> Any:
+        out = cls.__new__(cls)
+        for k, v in zip(keys, values):
+            OrderedDict.__setitem__(out, k, v)
+        vars(out).update({name: None if j is None else values[j] for name, j in attributes.items()})
+        return out
+
+    again = build(leaves)
+    same = (list(again.keys()) == list(built.keys()) and all(a is b for a, b in zip(again.values(), built.values()))
+            and vars(again).keys() == vars(built).keys() and all(vars(again)[k] is v for k, v in vars(built).items()))
+    return build if same else unflatten

@@ -28,14 +28,14 @@ class Tracer:
 
     def __init__(self) -> None:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
-        self.recorded: list[tuple] = []   # per run: the graph's (trie node, signature)
+        self.recorded: list = []          # per run: its graph (recording.trie.Recorded)
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
         self.changes = module_changes()
 
-    def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: tuple = ()) -> None:
+    def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None) -> None:
         """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values.
-        `recorded`: the graph's (trie node, signature)."""
+        `recorded`: the graph (recording.trie.Recorded)."""
         n = len(values) - len(roots)
         self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
         self.recorded.append(recorded)

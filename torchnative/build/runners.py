@@ -18,7 +18,7 @@ from torchnative.build.lower import Lowered, LoweredGraph, artifact_of
 from torchnative.build.program import Step
 
 
-def load(lowered: LoweredGraph, graph_key: str, keep_artifacts: bool = False) -> list[Step]:
+def runners(lowered: LoweredGraph, graph_key: str, keep_artifacts: bool = False) -> list[Step]:
     """`keep_artifacts`: each step keeps its delegate's artifact, to be saved in a bundle."""
     steps = []
     for i, part in enumerate(lowered.partitions):
