@@ -10,6 +10,9 @@ os.environ.setdefault("TORCHNATIVE_CACHE_DIR", "off")
 # programs compile in the call that needs them (the default), so a test knows which program ran;
 # the tests of background compiles (tests/test_background_compile.py) ask for it
 os.environ.setdefault("TORCHNATIVE_BACKGROUND_COMPILE", "0")
+# a graph compiles on its second run (not by the cost rule's estimate), so a test knows when its
+# program compiles; tests/test_cost_rule.py checks the rule itself
+os.environ.setdefault("TORCHNATIVE_COMPILE_AFTER", "2")
 
 import torchnative  # noqa: E402
 

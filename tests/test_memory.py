@@ -16,20 +16,20 @@ def _chain(depth: int):
 
 
 def test_a_small_program_cache_evicts_and_results_stay_eager_s():
-    """Eight graphs (chains of 1..8 ops) in turn, twice, under a cache of two graphs: programs are
+    """Five graphs (chains of 1..5 ops) in turn, twice, under a cache of two graphs: programs are
     dropped and built again, and every result is eager's."""
     x = torch.randn(4, 8)
-    expected = {depth: _chain(depth)(x) for depth in range(1, 9)}
+    expected = {depth: _chain(depth)(x) for depth in range(1, 6)}
     CACHE.clear()
     torchnative.set_memory_limit(2)
     torchnative.reset_stats()
     try:
         with torch.no_grad(), torchnative.capture(["ort"], compile_after=1):
             for _ in range(2):
-                for depth in range(1, 9):
+                for depth in range(1, 6):
                     torch.testing.assert_close(_chain(depth)(x), expected[depth], rtol=1e-5, atol=1e-6)
         assert len(programs()) <= 2
-        assert torchnative.stats()["evicted"]["programs"] >= 14
+        assert torchnative.stats()["evicted"]["programs"] >= 8
     finally:
         torchnative.set_memory_limit(LIMIT)
 

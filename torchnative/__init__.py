@@ -31,7 +31,7 @@ from torchnative.cache import calibration as _calibration
 from torchnative.replay.accelerated import install as _install
 from torchnative.replay.accelerated import uninstall as _uninstall
 from torchnative.build.program import CapturedOpError
-from torchnative.cache.program_cache import COMPILE_AFTER as _COMPILE_AFTER
+from torchnative.cache.program_cache import DEFAULT_COMPILE_AFTER as _COMPILE_AFTER
 from torchnative.cache.program_cache import CACHE as _CACHE
 from torchnative.cache.program_cache import wait_for_compiles as _wait_for_compiles
 from torchnative.replay.session import session as _session
@@ -44,7 +44,7 @@ __all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "pro
 __version__ = "0.1.0"
 
 @contextmanager
-def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COMPILE_AFTER,
+def capture(delegates: Sequence[str] | None = None, *, compile_after: int | None = _COMPILE_AFTER,
             quantize: str | None = None, background: bool | None = None) -> Iterator[None]:
     """Capture every aten op run inside the block.
 
@@ -58,7 +58,11 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int = _COM
             always runs what no other delegate takes.
         compile_after: a graph runs on eager until it has run this many times; then it is
             compiled for the delegates. Compiling costs seconds, and a graph seen once (a new
-            shape at every decode step) never repays it; 1 compiles every graph at once.
+            shape at every decode step) never repays it; 1 compiles every graph at once. None
+            (the default, unless TORCHNATIVE_COMPILE_AFTER=N sets a count): the cost rule — a
+            graph compiles once its runs on eager took a fifth of its compile's estimated
+            seconds (a 20 ms decode step: after ~40 runs; a tiny model's 1 ms graph: after
+            dozens), at least twice; `explain()` says why a graph is not compiled yet.
         quantize: `"int8"` (per output channel) or `"int4"` (groups of 32) for the float weights
             (parameters and buffers that are not pinned) that feed matmuls and convolutions;
             `"q8_0"` or `"q4k"` (GGUF k-quants, made by candle; needs candle-nn) for those that are
@@ -92,7 +96,7 @@ def _check_quantize(scheme: str | None) -> None:
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
-               replay: bool = True, compile_after: int = _COMPILE_AFTER, quantize: str | None = None,
+               replay: bool = True, compile_after: int | None = _COMPILE_AFTER, quantize: str | None = None,
                background: bool | None = None) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 

@@ -7,6 +7,7 @@ between two runs pinned from then on. Every table is bounded (torchnative.lru): 
 runs many sizes for hours levels off, and what was dropped is compiled again if it comes back."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -48,6 +49,19 @@ def _under_autograd(inputs: list[torch.Tensor]) -> bool:
 # runs of a graph on eager before it is compiled: compiling for a delegate costs seconds, and a
 # graph seen once (a new shape at every decode step) would never repay it
 COMPILE_AFTER = 2
+# `compile_after=None` (the default: "auto"): at least COMPILE_AFTER runs (a template: one), and
+# the cost rule — a graph compiles once its runs on eager took REPAY of the seconds its compile is
+# estimated to take. A small graph (a tiny model's, a test suite's: ~1 ms a run) would need
+# dozens of runs to repay a compile of seconds, and its calls replay on eager's program anyway; a
+# GPT-2 small decode step (20 ms) compiles after ~40. The count starts again for each program (a
+# new model of the same graphs: its weights are baked into a program of its own).
+# TORCHNATIVE_COMPILE_AFTER=N sets a count instead (the tests' 2: a test knows which program ran).
+_AUTO = os.environ.get("TORCHNATIVE_COMPILE_AFTER", "auto")
+DEFAULT_COMPILE_AFTER: int | None = None if _AUTO == "auto" else int(_AUTO)
+REPAY = 0.2
+# a compile's seconds, estimated before this process has measured one for the delegates: what
+# ONNX Runtime took here (export and session creation), per op, and a floor
+_SECONDS_PER_OP, _COMPILE_FLOOR = 4e-3, 0.2
 
 # A graph whose input sizes change at every call (a decode step over transformers' DynamicCache:
 # the keys grow by one) is a new graph each time, and none repeats enough to repay its compile
@@ -105,6 +119,7 @@ class Found(NamedTuple):
     hit: bool        # from the cache, not built for this call
     stand_in: bool   # eager's program, run while the delegates' one compiles in the background
     not_compiled: str = ""  # why the graph runs on eager though delegates were asked for
+    timed: tuple | None = None  # eager runs that count towards the cost rule: the run's seconds go to `ran`
 
 
 _VARYING = (f"sizes vary: this graph's op sequence was recorded with more than {SIZE_LIMIT} input sizes (its "
@@ -126,11 +141,14 @@ class ProgramCache:
         self.templates = Templates(limit)
         self.calibration = Lru(limit, "calibration sets")  # graph -> the input sets kept while calibrating
         self.building: dict = {}  # program key -> (Future of the Program, inputs and their states when submitted)
+        # run key -> (seconds its eager runs took, seconds at which its compile repays): the cost rule
+        self.eager_seconds = Lru(4 * limit, "eager seconds")
+        self.seconds_per_op: dict[tuple, float] = {}  # delegates -> compile seconds per op measured here
         self.lock = threading.RLock()  # calls on several threads share the tables
 
     def tables(self) -> list[Lru]:
         return [self.programs, self.runs, self.first, self.sizes, self.counted, self.calibration,
-                *self.templates.tables()]
+                self.eager_seconds, *self.templates.tables()]
 
     def resize(self, limit: int) -> None:
         """Keep at most `limit` graphs' programs (the other tables scale with it)."""
@@ -141,13 +159,14 @@ class ProgramCache:
         for table in self.tables():
             table.clear()
         self.building.clear()
+        self.seconds_per_op.clear()
 
     def program_for(self, graph: Recorded, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
-                    compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
+                    compile_after: int | None, quantize: str | None = None, background: bool = False) -> Found:
         """The compiled program for this graph key and these guards (baked params' identity and
-        version), building it on a miss. Until the graph has run `compile_after` times it runs on
-        eager alone: compiling for a delegate costs seconds, and a graph seen once (a new shape at
-        every decode step) would never repay it. With `background`, a miss starts the build on the
+        version), building it on a miss. Until the graph has run `compile_after` times (None: as
+        the cost rule decides, see REPAY) it runs on eager alone: compiling for a delegate costs
+        seconds, and a graph seen once (a new shape at every decode step) would never repay it. With `background`, a miss starts the build on the
         background thread and the graph runs on eager's program until the build is done. A graph
         whose op sequence was recorded at other sizes runs the program of the template it matches
         (cache/templates.py): a confirmed one's at once (sizes that changed twice change again), a
@@ -156,11 +175,11 @@ class ProgramCache:
             if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
                 self._keep_calibration_set(graph, inputs)
                 delegates = (eager,)
-            built_for = graph  # a miss builds its graph, or the template it matches at its sizes
+            built_for, timed = graph, None  # a miss builds its graph, or the template it matches at its sizes
             if delegates != (eager,):
-                built_for, delegates, why = self._decide(graph, delegates, inputs, compile_after, quantize)
-                if why:
-                    return self.program_for(graph, (eager,), inputs, 1, quantize)._replace(not_compiled=why)
+                built_for, delegates, why, timed = self._decide(graph, delegates, inputs, compile_after, quantize)
+                if why or timed:
+                    return self.program_for(graph, (eager,), inputs, 1, quantize)._replace(not_compiled=why, timed=timed)
             differentiated = quantize is not None and _under_autograd(inputs)
             if differentiated:
                 quantize = None
@@ -181,29 +200,54 @@ class ProgramCache:
             self._took(key, p)
             return Found(p, False, False)
 
-    def _decide(self, graph: Recorded, delegates: tuple, inputs: list, compile_after: int,
-                quantize: str | None) -> tuple[Recorded | Template, tuple, str]:
+    def _decide(self, graph: Recorded, delegates: tuple, inputs: list, compile_after: int | None,
+                quantize: str | None) -> tuple[Recorded | Template, tuple, str, tuple | None]:
         """What to build for this graph — its own graph or its template — and for which delegates
-        yet (eager alone until it has run `compile_after` times), or why it stays on eager."""
+        yet (eager alone until it has run `compile_after` times, or until the cost rule says its
+        compile repays), or why it stays on eager; and the run key whose eager time this run adds
+        to (the cost rule's)."""
         template = self.templates.template_for(graph)
-        built_for = graph
+        built_for, auto = graph, compile_after is None
         if template is not None and template.confirmed:
             built_for, compile_after = template, 1
         elif self._sized(graph) and not self._compiled((graph, graph.sig, delegates, quantize), inputs):
             events.STATS.not_compiled["sizes vary"] += 1
-            return graph, (eager,), _VARYING
-        if compile_after > 1:
+            return graph, (eager,), _VARYING, None
+        needed = COMPILE_AFTER if compile_after is None else compile_after
+        if needed > 1 or auto:
             run_key = (built_for, graph.sig, delegates)
             seen = self.runs[run_key] = self.runs.get(run_key, 0) + 1
             if seen == 1:
                 self.first[run_key] = [(_ref(t), _state(t)) for t in inputs]
-            if seen < compile_after:
-                return built_for, (eager,), ""
+            if seen < needed:
+                return built_for, (eager,), "", run_key if auto else None
+            if auto and not self._compiled((built_for, graph.sig, delegates, quantize), inputs):
+                spent, estimate = self.eager_seconds.get(run_key, (0.0, 0.0))[0], self._estimate(delegates, graph.n_ops)
+                self.eager_seconds[run_key] = (spent, REPAY * estimate)
+                if spent < REPAY * estimate:
+                    events.STATS.not_compiled["cost"] += 1
+                    return built_for, (eager,), _cost(spent, estimate), run_key
             self._pin_written_since_first_run(graph, run_key, inputs)
             if template is not None:  # one compile serves both sizes the candidate was fitted to
                 confirm(template)
                 built_for = template
-        return built_for, delegates, ""
+        return built_for, delegates, "", None
+
+    def ran(self, run_key: tuple, seconds: float) -> bool:
+        """A graph's run on eager took `seconds` (the cost rule adds them up); has its compile
+        repaid now (a replay of it should record again, to compile)?"""
+        found = self.eager_seconds.get(run_key)
+        if found is None:  # a first run's seconds are mostly one-time work (kernels' first calls): not counted
+            self.eager_seconds[run_key] = (0.0, math.inf)
+            return False
+        spent, repays = found
+        self.eager_seconds[run_key] = (spent + seconds, repays)
+        return spent < repays <= spent + seconds
+
+    def _estimate(self, delegates: tuple, n_ops: int) -> float:
+        """Seconds a compile of a graph of `n_ops` ops for `delegates` is expected to take."""
+        per_op = self.seconds_per_op.get(tuple(d.name for d in delegates), _SECONDS_PER_OP)
+        return _COMPILE_FLOOR + per_op * n_ops
 
     def _lookup(self, key: tuple, inputs: list) -> Program | None:
         """A cached program valid for these inputs; a weight baked into one that was written since
@@ -248,11 +292,18 @@ class ProgramCache:
 
     def _took(self, key: tuple, p: Program) -> None:
         """A built program into the cache; a template takes no size beyond the ranges its
-        program's delegates took."""
+        program's delegates took; what its compile took per op, for the next estimate."""
         if isinstance(key[0], Template):
             key[0].narrow(p.ranges)
         self.programs.setdefault(key, []).append(p)
         events.STATS.graphs_built += 1
+        # its weights' next program (a new model of the same graphs) repays its own compile
+        self.eager_seconds.pop(key[:3], None)
+        ops = sum(s.n_ops() for s in p.steps)
+        if ops and any(d.name != eager.name for d in key[2]):
+            names = tuple(d.name for d in key[2])
+            measured = sum(s.compile_s for s in p.steps) / ops
+            self.seconds_per_op[names] = (self.seconds_per_op.get(names, measured) + measured) / 2
 
     def _sized(self, graph: Recorded) -> bool:
         """Record the graph's input sizes under its op sequence; is that sequence over SIZE_LIMIT sizes?"""
@@ -300,6 +351,12 @@ class ProgramCache:
 CACHE = ProgramCache()
 
 
+def _cost(spent: float, estimate: float) -> str:
+    return (f"not compiled yet: its runs on eager took {spent * 1e3:.1f} ms so far, and its compile is estimated at "
+            f"{estimate:.1f} s; it compiles once they reach {REPAY:.0%} of that (the cost rule; "
+            f"compile_after=N compiles after N runs instead)")
+
+
 def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
     """The recorded graph, annotated with the rules of the template it runs under, if any
     (cache/templates.py)."""
@@ -315,7 +372,7 @@ def _state(x) -> tuple | None:
 
 
 def program_for(graph: Recorded, delegates: tuple[Delegate, ...], inputs: list[torch.Tensor],
-                compile_after: int, quantize: str | None = None, background: bool = False) -> Found:
+                compile_after: int | None, quantize: str | None = None, background: bool = False) -> Found:
     """`CACHE.program_for`: the one door into the program cache."""
     return CACHE.program_for(graph, delegates, inputs, compile_after, quantize, background)
 

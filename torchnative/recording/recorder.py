@@ -228,12 +228,14 @@ class Recorder:
         dynamic = scalars.dynamic_floats(op, args, kwargs, eargs, ekw, self.issues) if self.floats_vary else ()
         if dynamic:
             eargs = tuple(REFS[self.scalar_input(op, i, args[i])] if i in dynamic else a for i, a in enumerate(eargs))
+            ekw = tuple((k, REFS[self.scalar_input(op, k, kwargs[k])]) if k in dynamic else (k, a) for k, a in ekw)
         key = (id(op), eargs, ekw)
         node = self.node.children.get(key)
         return node if node is not None else self.new_node(op, is_view, args, kwargs, key)
 
-    def scalar_input(self, op, position: int, value: float) -> int:
-        """A float argument of `op` as an input of the graph (role `scalar`): its slot."""
+    def scalar_input(self, op, position: int | str, value: float) -> int:
+        """A float argument of `op` (by position, or keyword) as an input of the graph (role
+        `scalar`): its slot."""
         key = (INPUT, "scalar", id(op), position)
         node = self.node.children.get(key)
         if node is None:
@@ -385,6 +387,12 @@ class Recorder:
         if type(dst) is LazyTensor and op._schema.is_mutable and dst._value.shape != dst.shape:
             _set_meta(dst, dst._value)  # resize_/set_ changed the real value's shape
         return out
+
+    def written(self, t: torch.Tensor, reason: str) -> None:
+        """Python reads a real tensor's memory outside the dispatcher (`t.data`): writes the pending
+        graph makes to it run first."""
+        if id(t) in self.roots:
+            self.flush(reason)
 
     def sync(self, t: LazyTensor, reason: str) -> None:
         """Called by a lazy tensor whose data Python needs (tolist, numpy, data_ptr, repr)."""

@@ -31,17 +31,26 @@ def forget() -> None:
     _first.clear()
 
 
+def _is_float(encoded: Any) -> bool:
+    return type(encoded) is str and encoded[:2] == "\0f"
+
+
+def _shape(encoded: Any, floats: list) -> Any:
+    return _FLOAT if floats else _REF if type(encoded) is Ref else encoded
+
+
 def dynamic_floats(op: Any, args: tuple, kwargs: dict, eargs: tuple, ekw: tuple, issues: dict) -> frozenset:
-    """Positions of `op`'s float arguments that are graph inputs at this issue (none for most).
-    `eargs`/`ekw`: the arguments as the recorder encodes them; `issues`: the graph's count of
-    issues per site so far, which this updates."""
-    floats = [i for i, a in enumerate(eargs) if type(a) is str and a[:2] == "\0f"]
+    """Where `op`'s float arguments that are graph inputs at this issue are (none for most): an
+    int for a positional one, the name for a keyword one (`add(x, y, alpha=m)`: a momentum
+    public libraries pass by name). `eargs`/`ekw`: the arguments as the recorder encodes them;
+    `issues`: the graph's count of issues per site so far, which this updates."""
+    floats = [i for i, a in enumerate(eargs) if _is_float(a)] + [k for k, a in ekw if _is_float(a)]
     if not floats or not any(isinstance(a, torch.Tensor) for a in args):
         return frozenset()
-    site = (id(op), user_instruction(3),
-            tuple(_FLOAT if i in floats else _REF if type(a) is Ref else a for i, a in enumerate(eargs)), ekw)
+    site = (id(op), user_instruction(3), tuple(_shape(a, [i] if i in floats else []) for i, a in enumerate(eargs)),
+            tuple((k, _shape(a, [k] if k in floats else [])) for k, a in ekw))
     issue = issues[site] = issues.get(site, -1) + 1
-    values = tuple(args[i] for i in floats)
+    values = tuple(args[i] if type(i) is int else kwargs[i] for i in floats)
     first = _first.setdefault((site, issue), values)
     dynamic = _dynamic.get(site, frozenset())
     changed = {i for i, was, now in zip(floats, first, values) if was != now} - dynamic
@@ -50,7 +59,8 @@ def dynamic_floats(op: Any, args: tuple, kwargs: dict, eargs: tuple, ekw: tuple,
     return dynamic
 
 
-def _same_metas(op: Any, args: tuple, kwargs: dict, before: dict[int, float]) -> bool:
+def _same_metas(op: Any, args: tuple, kwargs: dict, before: dict) -> bool:
     """Does `op` make the same output metadata with the floats it had `before`?"""
     old = tuple(before.get(i, a) for i, a in enumerate(args))
-    return infer(op, old, kwargs)[0] == infer(op, args, kwargs)[0]
+    old_kwargs = {k: before.get(k, v) for k, v in kwargs.items()}
+    return infer(op, old, old_kwargs)[0] == infer(op, args, kwargs)[0]

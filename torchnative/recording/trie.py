@@ -147,6 +147,10 @@ class Recorded:
     def input_roles(self) -> list[str]:
         return [n.role for n in self.node.path() if n.op == INPUT]
 
+    @property
+    def n_ops(self) -> int:
+        return self.node.n_ops
+
 
 def flatten(node: TrieNode, sig: Signature) -> Flat:
     """The graph recorded up to `node` as its integers and everything else (torchnative.sizes),

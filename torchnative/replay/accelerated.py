@@ -30,7 +30,7 @@ class Settings:
     """`accelerate`'s arguments."""
     delegates: tuple[str, ...] | None
     replay: bool
-    compile_after: int
+    compile_after: int | None
     quantize: str | None
     background: bool | None = None  # None: program_cache.BACKGROUND
 
@@ -104,7 +104,7 @@ def _opaque_to_dynamo() -> None:
         AcceleratedForward.__call__ = torch.compiler.disable(AcceleratedForward.__call__)
 
 
-def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int,
+def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int | None,
             quantize: str | None, background: bool | None) -> None:
     """Make `model.forward` an AcceleratedForward (once: a second call changes nothing)."""
     _opaque_to_dynamo()

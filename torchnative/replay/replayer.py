@@ -61,6 +61,8 @@ class Replayer:
         events.STATS.replays += 1
         if events.listeners:
             events.emit(events.ReplayOutcome("replayed"))
+        if entry.trace.repaid:  # its graph's compile has repaid: the next call records, and compiles it
+            self.entries.pop(key)
         return True, out
 
     def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:

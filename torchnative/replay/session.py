@@ -1,6 +1,7 @@
 """A capture session: the door's handler for one thread, from `capture()` entry to exit."""
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 
@@ -9,20 +10,27 @@ from torchnative.recording.recorder import Recorder
 from torchnative.recording.trie import Recorded
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
-from torchnative.cache.program_cache import BACKGROUND, COMPILE_AFTER, program_for
+from torchnative.cache.program_cache import BACKGROUND, CACHE, DEFAULT_COMPILE_AFTER, program_for
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
+from torchnative.shim.data import recorded_data
 
 
 def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_after: int, quantize: str | None,
               background: bool):
     def execute(graph: Recorded, inputs: list, n_ops: int, roots: list) -> list:
-        program, hit, stand_in, not_compiled = program_for(graph, delegates, inputs, compile_after, quantize, background)
-        values = program(inputs)
+        program, hit, stand_in, not_compiled, timed = program_for(graph, delegates, inputs, compile_after, quantize,
+                                                                  background)
+        if timed is None:
+            values = program(inputs)
+        else:  # a run on eager the cost rule counts
+            started = time.perf_counter()
+            values = program(inputs)
+            CACHE.ran(timed, time.perf_counter() - started)
         if tracer is not None:
             if stand_in:  # a replay would keep eager's program after the delegates' one is ready
                 tracer.refuse("a graph of it is compiling in the background")
-            tracer.ran(program, inputs, values, roots, graph)
+            tracer.ran(program, inputs, values, roots, graph, timed)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values
@@ -31,7 +39,7 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
-            tracer: Tracer | None = None, compile_after: int = COMPILE_AFTER, quantize: str | None = None,
+            tracer: Tracer | None = None, compile_after: int | None = DEFAULT_COMPILE_AFTER, quantize: str | None = None,
             background: bool | None = None, floats_vary: bool = True) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
     `tracer` watches the session for replay; `compile_after`, `background`: see `program_for`
@@ -55,7 +63,7 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         recorder.observe = tracer.eager
     previous = set_handler(recorder)
     try:
-        with mode:
+        with mode, recorded_data():
             yield recorder
     finally:
         try:

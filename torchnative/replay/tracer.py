@@ -29,16 +29,19 @@ class Tracer:
     def __init__(self) -> None:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.recorded: list = []          # per run: its graph (recording.trie.Recorded)
+        self.timed: list = []             # per run: the cost rule's key, if it ran on eager until its compile repays
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
         self.changes = module_changes()
 
-    def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None) -> None:
+    def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None,
+            timed: tuple | None = None) -> None:
         """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values.
-        `recorded`: the graph (recording.trie.Recorded)."""
+        `recorded`: the graph (recording.trie.Recorded); `timed`: see GraphCall.timed."""
         n = len(values) - len(roots)
         self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
         self.recorded.append(recorded)
+        self.timed.append(timed)
 
     def eager(self, op: Any, args: tuple, out: Any) -> None:
         """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""
@@ -108,7 +111,7 @@ class Tracer:
             writes = tuple(source(r) for r in roots)
             if any(w[0] not in ("arg", "field", "const") for w in writes):
                 raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
-            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes))
+            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes, self.timed[k]))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
         sets = tuple((at, source(t)) for at, t in _replaced(before, after))
