@@ -109,6 +109,7 @@ ALLOWED_TABLES = {
     "torchnative.events._listeners": "listeners registered and removed by the inspector",
     "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",
     "torchnative.threads._warned": "one flag",
+    "torchnative.build.verify._warned": "one entry per delegate",
     "torchnative.replay.watch._hooks": "two hook handles while any module is watched",
 }
 _MAKERS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "WeakValueDictionary",

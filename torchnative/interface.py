@@ -34,6 +34,19 @@ class Support:
 YES = Support(True)
 
 
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a delegate's partition may be from eager's and still be trusted (build/verify.py):
+    "scale", the largest absolute error over the output's largest magnitude (float32 kernels that
+    round otherwise), or "l2", the relative L2 error (quantized activations, float16)."""
+    kind: Literal["scale", "l2"]
+    bound: float
+    why: str
+
+
+FLOAT32 = Tolerance("scale", 1e-4, "float32 kernels: rounding over a partition's chains of ops stays well below it")
+
+
 @dataclass
 class Artifact:
     """What `compile` produces: serializable bytes plus what `load` needs to run them. A delegate
@@ -85,3 +98,5 @@ class Delegate(Protocol):
     def compile(self, graph: CapturedGraph) -> Artifact: ...
 
     def load(self, artifact: Artifact) -> Runner: ...
+
+    # optional: `tolerance(graph) -> Tolerance` for a partition's graph (default FLOAT32)

@@ -18,15 +18,19 @@ from torchnative.passes import prepare
 from torchnative.build.runners import runners
 from torchnative.build.lower import lower
 from torchnative.build.program import Program, Step
+from torchnative.build import verify as verification
+from torchnative.build.verify import check, declined, reference, tolerance_of
 from torchnative.sizes import narrowest
 
 
 def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
                   quantize: str | None = None, keep_artifacts: bool = False,
-                  calibration_sets: Sequence[list[torch.Tensor]] = ()) -> Program:
+                  calibration_sets: Sequence[list[torch.Tensor]] = (), verify: bool | None = None) -> Program:
     """`inputs`: the captured graph's placeholders' values; `keep_artifacts`: each step keeps its
     delegate's artifact, to be saved in a bundle; `calibration_sets`: more sets of inputs, for
-    delegates that calibrate on values."""
+    delegates that calibrate on values; `verify`: each delegate partition checked against eager
+    on these inputs, and run on eager if it is beyond its delegate's tolerance (build/verify.py;
+    None: unless TORCHNATIVE_VERIFY=0)."""
     started = time.perf_counter()
     graph, derived = prepare(captured, inputs, quantize, eager_only=all(d is eager for d in delegates))
     inputs = inputs + derived.tensors
@@ -35,10 +39,31 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
     if not steps:  # no partitions: the graph runs on eager as it is
         placeholders = graph.placeholders()
         steps = [Step(EAGER, graph, placeholders, placeholders, graph.outputs(), eager.load(eager.compile(graph)))]
+    verify_s = _verified(graph, inputs, steps, lowered.delegates) if (verification.ENABLED if verify is None else verify) else 0.0
     program = Program(captured, graph, steps, derived.tensors, sorted(_baked(graph, steps) | derived.sources),
                       inputs, lowered.declined, _ranges(lowered, "ranges"), _ranges(lowered, "bounds"))
+    program.verify_s = verify_s
     events.emit(events.ProgramBuilt(program, time.perf_counter() - started))
     return program
+
+
+def _verified(graph: CapturedGraph, inputs: list, steps: list[Step], delegates: dict) -> float:
+    """Each delegate step checked against eager on the build inputs; one beyond its delegate's
+    tolerance is replaced by its partition on eager. The seconds it took."""
+    if all(s.delegate == EAGER for s in steps):
+        return 0.0
+    started = time.perf_counter()
+    ref = reference(graph, inputs)
+    for i, s in enumerate(steps):
+        if s.delegate == EAGER:
+            continue
+        verdict = check(s, ref, tolerance_of(delegates[s.delegate], s.graph))
+        s.verdict = verdict
+        if not verdict.ok:
+            declined(s.delegate, verdict, graph.key, s.n_ops())
+            steps[i] = Step(EAGER, s.graph, s.reads, s.reads, s.outputs, eager.load(eager.compile(s.graph)),
+                            s.compile_s, verdict=verdict)
+    return time.perf_counter() - started
 
 
 def _ranges(lowered, kind: str) -> dict[int, tuple[int, int]]:

@@ -8,7 +8,7 @@ import functools
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -50,6 +50,7 @@ class Step:
     artifact: Artifact | None = None  # kept only for a program built to be saved (a bundle)
     label: str = ""  # what an error names it by, for a loaded step (its partition and file)
     ops: int = 0  # a loaded step's op count (a built one's is its graph's)
+    verdict: Any = None  # build/verify.py's: its gap from eager when built (a declined one runs on eager)
 
     def n_ops(self) -> int:
         return len(self.graph.op_nodes()) if self.graph is not None else self.ops
@@ -109,6 +110,7 @@ class Program:
         (torchnative.sizes); `bounds`: narrower still, the sizes this program was built for (a
         program per bucket, sizes.bucket), which `valid_for` checks."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
+        self.verify_s = 0.0  # seconds the build spent checking its partitions against eager
         self.ranges = ranges or {}
         self.bounds = narrowest(self.ranges, bounds or {})
         sources = symbol_sources(captured.placeholders())
@@ -134,7 +136,7 @@ class Program:
         p = cls.__new__(cls)
         p.captured = p.graph = None
         p.steps, p.extra, p.declined, p.ranges, p.bounds = steps, [], (), {}, {}
-        p.baked, p._held, p._bounded = [], [], []
+        p.baked, p._held, p._bounded, p.verify_s = [], [], [], 0.0
         p._n_inputs, p._args, p._results, p._layouts = n_inputs, args, results, layouts
         p._relaid = set(range(len(steps)))
         p.run_fn = p._run_steps

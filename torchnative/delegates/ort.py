@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from torchnative.delegates.base import tensors
 from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, slice_write, to_onnx, translated
-from torchnative.interface import YES, Artifact, Availability, Runner, Support
+from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.fuse import COMPOSITES
 from torchnative.passes.state import SLICE_UPDATE
@@ -67,6 +67,11 @@ def _add_initializers(model, tensors: dict[str, torch.Tensor]) -> None:
         model.graph.initializer.remove(init)
 
 
+# quantize="int8": MatMulInteger quantizes the activations too (per tensor, dynamically), ~1 % of
+# an output's largest value on GPT-2 small's logits (benchmarks/quantized_decode.py)
+_INT8 = Tolerance("scale", 0.05, "int8 matmuls quantize their activations: ~1 % of an output's scale")
+
+
 class OnnxRuntime:
     name = "ort"
     external_weights = True  # weights go to ONNX Runtime as external initializers: not copied, not stored twice
@@ -82,6 +87,11 @@ class OnnxRuntime:
         if missing:
             return Availability("unavailable", f"missing {', '.join(missing)}", _HINT)
         return Availability("executes")
+
+    def tolerance(self, graph: CapturedGraph) -> Tolerance:
+        if any(p.meta["val"].dtype == torch.int8 for p in graph.placeholders() if isinstance(p.meta.get("val"), torch.Tensor)):
+            return _INT8
+        return FLOAT32
 
     def supports(self, node: fx.Node) -> Support:
         if node.target is SLICE_UPDATE:

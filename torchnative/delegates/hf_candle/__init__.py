@@ -22,7 +22,7 @@ from torchnative.delegates.hf_candle.gguf import GGUF_NAMES, pack, unpack, weigh
 from torchnative.delegates.hf_candle.interpreter import failure, interpreter
 from torchnative.delegates.hf_candle.lowerings import CHECKS, CONSTANT, LOWER, MISSING
 from torchnative.delegates.hf_candle.transfer import DTYPES
-from torchnative.interface import YES, Artifact, Availability, Runner, Support
+from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
 from torchnative.ir import CapturedGraph
 
 _VERSION = "0.4.2"
@@ -51,6 +51,11 @@ class Candle:
         if not hasattr(os, "memfd_create"):
             return Availability("unavailable", "tensors move through os.memfd_create, which this OS lacks")
         return Availability("executes")
+
+    def tolerance(self, graph: CapturedGraph) -> Tolerance:
+        # GGUF k-quants, measured against float32 (tests/test_candle.py: about half these)
+        return {None: FLOAT32, "q8_0": Tolerance("l2", 0.03, "q8_0 weights and activations"),
+                "q4k": Tolerance("l2", 0.15, "4-bit k-quant weights")}[self.quant]
 
     def supports(self, node: fx.Node) -> Support:
         if node.target not in LOWER and node.target not in CONSTANT:

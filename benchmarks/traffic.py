@@ -1,0 +1,275 @@
+"""Real traffic (issue 37): what users send, not what our other benchmarks repeat. Every call a new
+size, engines interleaved call by call (each its own model copy), idle gaps between.
+
+    python benchmarks/traffic.py [--workloads chat-gpt2,chat-llama,bert,ttt,memory] [--calls 16]
+                                 [--new 24] [--no-compile]
+
+- chat-*: `generate(max_new_tokens=--new)` with the default cache, each call a new prompt length
+  in 8..200 (GPT-2 small; a Llama-style model of hidden 768, 4 layers, grouped KV heads).
+- bert: BERT-base at 20 random lengths in 8..384.
+- ttt: a TTT-Linear-style layer stack (a fast weight updated by a gradient step per chunk of 16
+  tokens, inside forward; a data read per chunk; outputs written into a buffer made before the
+  scan; a cache object carrying the fast weights across calls, written with copy_; inputs sliced
+  from one long sequence): forward of whole sequences, then streaming chunks.
+- memory: 1000 calls of random sizes of a tiny GPT-2 forward; resident memory growth.
+
+Per workload and engine: the first call's seconds, calls 5+ and all calls as a ratio to eager's
+(> 1 is faster), whether outputs equal eager's. Prints tables; writes benchmarks/results/traffic.json.
+"""
+from __future__ import annotations
+
+import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
+
+import argparse
+import copy
+import gc
+import os
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from torchnative import models
+from torchnative.cache.program_cache import clear_caches, programs
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import GAP_S, elapsed, table, write  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=768, num_hidden_layers=4, num_attention_heads=12, num_key_value_heads=4,
+                         intermediate_size=2048, vocab_size=32000, use_cache=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def _engines(model: torch.nn.Module, compile_: bool) -> dict[str, torch.nn.Module]:
+    engines = {"eager": model, "accelerate": torchnative.accelerate(copy.deepcopy(model))}
+    if compile_:
+        compiled = copy.deepcopy(model)
+        compiled.forward = torch.compile(compiled.forward)  # torch.compile's dynamic default
+        engines["torch.compile"] = compiled
+    return engines
+
+
+def _interleaved(engines: dict, calls: list[Callable[[Any], Any]]) -> tuple[dict, dict]:
+    """Each call on every engine in turn (the order turning each call), idle gaps between:
+    seconds per engine per call, and whether each engine's outputs equalled eager's."""
+    seconds = {k: [] for k in engines}
+    same = {k: True for k in engines}
+    names = list(engines)
+    for i, call in enumerate(calls):
+        out = {}
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            def run(k=k):
+                with torch.no_grad():
+                    out[k] = call(engines[k])
+            seconds[k].append(elapsed(run))
+            time.sleep(GAP_S)
+        for k in engines:
+            same[k] &= _equal(out[k], out["eager"])
+        print(f"    call {i}: " + ", ".join(f"{k} {seconds[k][-1]:.2f} s" for k in names), flush=True)
+    return seconds, same
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if a.dtype in (torch.int64, torch.int32):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _row(workload: str, seconds: dict, same: dict) -> dict:
+    row = {"workload": workload, "calls": len(seconds["eager"]), "eager first s": seconds["eager"][0],
+           "eager 5+ s": sum(seconds["eager"][4:])}
+    for k in seconds:
+        if k == "eager":
+            continue
+        row[f"{k} first x"] = seconds[k][0] / seconds["eager"][0]  # the first call's time, as a multiple of eager's
+        row[f"{k} 5+ x"] = sum(seconds["eager"][4:]) / sum(seconds[k][4:])
+        row[f"{k} all x"] = sum(seconds["eager"]) / sum(seconds[k])
+        row[f"{k} worst x"] = max(s / e for s, e in zip(seconds[k], seconds["eager"]))
+        row[f"{k} same"] = same[k]
+    return row
+
+
+def chat(name: str, calls: int, new: int, compile_: bool) -> dict:
+    clear_caches()
+    torchnative.reset_stats()
+    model = models.build("gpt2", "base") if name == "gpt2" else _llama()
+    engines = _engines(model, compile_)
+    rng = random.Random(0)
+    lengths = rng.sample(range(8, 201), calls)
+    prompts = [torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    print(f"  chat-{name}: prompt lengths {lengths}", flush=True)
+    seconds, same = _interleaved(engines, [lambda m, p=p: m.generate(p, **kwargs) for p in prompts])
+    return {**_row(f"chat-{name}", seconds, same), "stats": _stats()}
+
+
+def bert(calls: int, compile_: bool) -> dict:
+    clear_caches()
+    torchnative.reset_stats()
+    model = models.build("bert", "base")
+    engines = _engines(model, compile_)
+    rng = random.Random(1)
+    inputs = [models.example_inputs("bert", model, seq=n) for n in rng.sample(range(8, 385), calls)]
+    seconds, same = _interleaved(engines, [lambda m, i=i: m(**i).last_hidden_state for i in inputs])
+    return {**_row("bert", seconds, same), "stats": _stats()}
+
+
+class FastWeightCache:
+    """Per layer, the fast weight carried from one call to the next (as a streaming model keeps it)."""
+
+    def __init__(self, layers: int, dim: int):
+        self.weights = [torch.zeros(dim, dim) for _ in range(layers)]
+
+    def update(self, layer: int, weight: torch.Tensor) -> None:
+        self.weights[layer].copy_(weight)
+
+
+class TTTLinear(torch.nn.Module):
+    """A TTT-Linear-style layer: per chunk, the fast weight W takes one gradient step on the
+    reconstruction loss of the chunk's keys onto its values, then the chunk's queries read W."""
+
+    def __init__(self, dim: int, chunk: int = 16, lr: float = 0.1):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.w0 = torch.nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+        self.bias = torch.nn.Parameter(torch.zeros(dim))
+        self.chunk, self.lr = chunk, lr
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, d = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        out = torch.empty(b, n, d)
+        for i in range(0, n, self.chunk):
+            use_bias = not torch.isnan(self.bias).any()  # a data read every chunk, as the library does
+            kc, vc, qc = k[:, i:i + self.chunk], v[:, i:i + self.chunk], q[:, i:i + self.chunk]
+            err = kc @ w - vc
+            w = w - self.lr * (kc.transpose(1, 2) @ err).mean(0) / self.chunk
+            y = qc @ w
+            out[:, i:i + self.chunk] = y + self.bias if use_bias else y
+        return self.o(out), w
+
+
+class TTTModel(torch.nn.Module):
+    def __init__(self, dim: int = 256, layers: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(TTTLinear(dim) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, cache: FastWeightCache | None = None) -> torch.Tensor:
+        for j, layer in enumerate(self.layers):
+            w = cache.weights[j] if cache is not None else layer.w0
+            h, w = layer(self.norm(x), w)
+            x = x + h
+            if cache is not None:
+                cache.update(j, w)
+        return x
+
+
+def ttt(calls: int, compile_: bool) -> dict:
+    clear_caches()
+    torchnative.reset_stats()
+    model = TTTModel()
+    engines = _engines(model, compile_)
+    sequence = torch.randn(2, 64 * calls, 256, generator=torch.Generator().manual_seed(0))
+    whole = [lambda m, i=i: m(sequence[:, i * 64:(i + 1) * 64]) for i in range(calls)]
+    seconds, same = _interleaved(engines, whole)
+    rows = [_row("ttt forward", seconds, same)]
+    caches = {k: FastWeightCache(len(model.layers), 256) for k in engines}
+    for c in caches.values():
+        for j, layer in enumerate(model.layers):
+            c.weights[j].copy_(layer.w0.detach())
+    streaming = [lambda m, i=i: m(sequence[:, i * 16:(i + 1) * 16], caches[_name_of(engines, m)]) for i in range(calls * 4)]
+    seconds, same = _interleaved(engines, streaming)
+    rows.append({**_row("ttt streaming", seconds, same), "stats": _stats()})
+    return rows
+
+
+def _name_of(engines: dict, m: torch.nn.Module) -> str:
+    return next(k for k, v in engines.items() if v is m)
+
+
+def _rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def memory(calls: int) -> dict:
+    """Resident memory over `calls` forwards at random sizes, eager's then accelerate's, each
+    after 50 warm-up calls (allocator pools, first compiles)."""
+    rows = {}
+    rng = random.Random(2)
+    sizes = [(rng.randint(1, 4), rng.randint(4, 120)) for _ in range(calls + 50)]
+    for k in ("eager", "accelerate"):
+        clear_caches()
+        model = models.build("gpt2")
+        model.config.use_cache = False
+        if k == "accelerate":
+            torchnative.accelerate(model)
+        with torch.no_grad():
+            for b, n in sizes[:50]:
+                model(torch.randint(0, 1000, (b, n)))
+            gc.collect()
+            start = _rss_mb()
+            for b, n in sizes[50:]:
+                model(torch.randint(0, 1000, (b, n)))
+            gc.collect()
+        rows[k] = _rss_mb() - start
+    return {"workload": f"memory ({calls} calls)", "eager growth MB": rows["eager"],
+            "accelerate growth MB": rows["accelerate"], "evicted": dict(torchnative.stats()["evicted"])}
+
+
+def _stats() -> dict:
+    s = torchnative.stats()
+    return {"programs compiled": sum(1 for p in programs() if any(d != "eager" for d, _ in p.partitions)),
+            "replays": s["replays"], "not compiled": dict(s["not_compiled"]), "graphs built": s["graphs_built"],
+            "fallbacks": dict(s["fallbacks"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="chat-gpt2,chat-llama,bert,ttt,memory")
+    parser.add_argument("--calls", type=int, default=16)
+    parser.add_argument("--new", type=int, default=24)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    rows, extra = [], []
+    for w in args.workloads.split(","):
+        print(w, flush=True)
+        if w.startswith("chat-"):
+            rows.append(chat(w.split("-", 1)[1], args.calls, args.new, not args.no_compile))
+        elif w == "bert":
+            rows.append(bert(max(args.calls, 20), not args.no_compile))
+        elif w == "ttt":
+            rows += ttt(args.calls, not args.no_compile)
+        elif w == "memory":
+            extra.append(memory(1000))
+    engines = ["accelerate"] + ([] if args.no_compile else ["torch.compile"])
+    cols = [("workload", "{}"), ("calls", "{}"), ("eager first s", "{:.2f}")]
+    for k in engines:
+        cols += [(f"{k} first x", "{:.2f}"), (f"{k} 5+ x", "{:.2f}x"), (f"{k} all x", "{:.2f}x"),
+                 (f"{k} worst x", "{:.2f}"), (f"{k} same", "{}")]
+    print("first x / worst x: a call's time as a multiple of eager's (lower is better); 5+ x / all x: eager's "
+          "time over the engine's (higher is better)")
+    print(table(rows, cols))
+    for r in rows:
+        if "stats" in r:
+            print(f"{r['workload']}: {r['stats']}")
+    for e in extra:
+        print(e)
+    print(f"wrote {write('traffic', {'rows': rows, 'memory': extra})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Every compiled partition is checked before it is trusted (issue 38, build/verify.py): a
+delegate partition beyond its delegate's tolerance on the build inputs runs on eager, declined with
+the numbers; the program's results are eager's; what the graph leaves undefined is not a gap."""
+import math
+
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import record
+from tests.test_numeric_gap import _PlusOne, _mlp
+from torchnative import events
+from torchnative.build.verify import gap
+from torchnative.cache.program_cache import clear_caches, programs
+from torchnative.delegates import REGISTRY
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    clear_caches()
+    torchnative.reset_stats()
+
+
+def test_a_wrong_partition_is_declined_at_build_and_the_result_is_eager_s(monkeypatch):
+    monkeypatch.setitem(REGISTRY, _PlusOne.name, _PlusOne())
+    model, x = _mlp(), torch.randn(4, 16)
+    with torch.no_grad():
+        expected = model(x)
+        with record(events.Fallback) as fallbacks, pytest.warns(UserWarning, match="plus-one partition .* runs on eager"):
+            with torchnative.capture(["plus-one", "ort"], compile_after=1):
+                got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    (program,) = programs()
+    assert [s.delegate for s in program.steps] == ["ort", "eager", "ort"]
+    wrong = program.steps[1].verdict
+    assert not wrong.ok and wrong.gap > 0.01
+    assert all(s.verdict.ok and s.verdict.gap < 1e-5 for s in (program.steps[0], program.steps[2]))
+    (f,) = fallbacks
+    assert f.delegate == "plus-one" and "verify:" in f.reason and "off eager" in f.reason and "tolerance 0.0001" in f.reason
+    assert any(k.startswith("plus-one: verify:") for k in torchnative.stats()["fallbacks"])
+
+
+def test_the_check_can_be_turned_off(monkeypatch):
+    monkeypatch.setitem(REGISTRY, _PlusOne.name, _PlusOne())
+    monkeypatch.setattr("torchnative.build.verify.ENABLED", False)
+    model, x = _mlp(), torch.randn(4, 16)
+    with torch.no_grad(), torchnative.capture(["plus-one", "ort"], compile_after=1):
+        y = model(x)  # held: a result nobody holds is never computed
+    (program,) = programs()
+    assert [s.delegate for s in program.steps] == ["ort", "plus-one", "ort"] and program.verify_s == 0.0
+    assert (y - model(x)).abs().max() > 0.1  # the wrong partition ran, as asked
+
+
+def test_memory_a_graph_leaves_undefined_is_not_a_gap():
+    """A buffer made with torch.empty and only partly written: its other elements are whatever
+    memory held, on eager and on the delegate alike; only the written ones are compared."""
+    def fill(x):
+        out = torch.empty(4, 8)
+        out[:, :4] = x.tanh()
+        return out * 2
+
+    x = torch.randn(4, 4)
+    with torch.no_grad(), record(events.Fallback) as fallbacks, torchnative.capture(["ort"], compile_after=1):
+        y = fill(x)
+    torch.testing.assert_close(y[:, :4], fill(x)[:, :4])
+    assert not fallbacks, [f.reason for f in fallbacks]
+    steps = [s for p in programs() for s in p.steps if s.delegate == "ort"]
+    assert steps and all(s.verdict.ok for s in steps)
+
+
+def test_gaps_measure_what_they_say():
+    t = torch.tensor
+    assert gap(t([1.0, math.inf, math.nan]), t([1.0, math.inf, math.nan])) == 0.0
+    assert gap(t([1.0, 2.0]), t([1.0, 4.0])) == 0.5  # scale: the largest error over the largest magnitude
+    assert gap(t([3.0, 4.0]), t([3.0, 0.0]), "l2") == pytest.approx(4 / 3)
+    assert gap(t([math.nan]), t([1.0])) == math.inf and gap(t([1.0, 2.0]), t([1.0])) == math.inf
+    assert gap(t([1.0, 99.0]), t([1.0, 2.0]), defined=t([True, False])) == 0.0
+
+
+def test_verification_runs_on_every_compiled_model_partition_without_false_alarms():
+    """GPT-2 and BERT (tiny) on ort: every partition checked, none declined."""
+    from torchnative import models
+    for name in ("gpt2", "bert"):
+        model = models.build(name)
+        model.config.use_cache = False
+        inputs = models.example_inputs(name, model, batch=2)
+        with torch.no_grad(), record(events.Fallback) as fallbacks, torchnative.capture(["ort"], compile_after=1):
+            out = model(**inputs)
+        assert out is not None and not fallbacks, [f.reason for f in fallbacks]
+    checked = [s for p in programs() for s in p.steps if s.verdict is not None]
+    assert checked and all(s.verdict.ok for s in checked)
