@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.interface import FLOAT32, Tolerance
+from torchnative.interface import FLOAT32, HALF, Tolerance
 from torchnative.ir import CapturedGraph
 
 aten = torch.ops.aten
@@ -31,9 +31,17 @@ ENABLED = os.environ.get("TORCHNATIVE_VERIFY", "1") != "0"
 
 
 def tolerance_of(delegate: Any, graph: CapturedGraph) -> Tolerance:
-    """The delegate's stated tolerance for this partition (FLOAT32 unless it states another)."""
+    """The delegate's stated tolerance for this partition (FLOAT32 unless it states another),
+    HALF's where it is tighter and the partition computes in float16 or bfloat16."""
     stated = getattr(delegate, "tolerance", None)
-    return stated(graph) if stated is not None else FLOAT32
+    tolerance = stated(graph) if stated is not None else FLOAT32
+    half = any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
+               for n in graph.gm.graph.nodes for v in _values(n.meta.get("val")))
+    return HALF if half and tolerance.bound < HALF.bound else tolerance
+
+
+def _values(val: Any) -> tuple:
+    return tuple(val) if isinstance(val, (list, tuple)) else (val,)
 
 
 def gap(got: Any, want: Any, kind: str = "scale", defined: torch.Tensor | None = None) -> float:

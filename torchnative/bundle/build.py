@@ -79,7 +79,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
     objects = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor) and type(v) not in SCALARS}
     before = {i: Snapshot(v) for i, v in objects.items()}
     tracer = Tracer()
-    with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1, floats_vary=False):
+    with torch.no_grad(), session(["eager"], buffers, tracer, compile_after=1, sites=None):
         out = model(**inputs)
     out = real_outputs(out)
     after = {i: Snapshot(v) for i, v in objects.items()}

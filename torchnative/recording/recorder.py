@@ -69,14 +69,15 @@ def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
 
 
 class Recorder:
-    def __init__(self, execute: Execute, mode: DoorMode, weights: frozenset[int] = frozenset(), floats_vary: bool = True):
+    def __init__(self, execute: Execute, mode: DoorMode, weights: frozenset[int] = frozenset(),
+                 sites: scalars.FloatSites | None = scalars.PROCESS):
         self.execute = execute
         self.mode = mode
         self.weights = weights  # ids of tensors that are weights though not nn.Parameters (buffers)
-        # whether a float seen to change becomes a graph input (recording/scalars.py); not for a
+        # where a float seen to change becomes a graph input (recording/scalars.py); None: never, for a
         # bundle, which has no Python to pass it, and whose calls (an encoder, then a decoder of the
         # same layer code) would otherwise look like one site whose floats changed
-        self.floats_vary = floats_vary
+        self.sites = sites
         self.observe: Callable[[Any, tuple, Any], None] | None = None  # told of every op run eagerly
         self._reset()
 
@@ -225,7 +226,7 @@ class Recorder:
     def scalar_site(self, op, is_view: bool, args: tuple, kwargs: dict, eargs: tuple, ekw: tuple) -> TrieNode:
         """The node for an op not recorded here with these arguments: its floats that were seen to
         change (recording/scalars.py) as scalar inputs of the graph, the others as constants."""
-        dynamic = scalars.dynamic_floats(op, args, kwargs, eargs, ekw, self.issues) if self.floats_vary else ()
+        dynamic = self.sites.dynamic_floats(op, args, kwargs, eargs, ekw, self.issues) if self.sites is not None else ()
         if dynamic:
             eargs = tuple(REFS[self.scalar_input(op, i, args[i])] if i in dynamic else a for i, a in enumerate(eargs))
             ekw = tuple((k, REFS[self.scalar_input(op, k, kwargs[k])]) if k in dynamic else (k, a) for k, a in ekw)

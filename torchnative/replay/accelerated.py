@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.cache import calibration as _calibration
+from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
@@ -43,6 +44,7 @@ class AcceleratedForward:
     def __init__(self, model: torch.nn.Module, original: Callable | None, settings: Settings):
         self.model, self.original, self.settings = model, original, settings
         self._replayer: Replayer | None = None  # made at the first call: a copy's tensors exist only then
+        self._sites = FloatSites()  # the floats its calls saw at each site: its own, not another model's
         self._lock = threading.Lock()
 
     @property
@@ -58,7 +60,7 @@ class AcceleratedForward:
             with self._lock:
                 return self._guarded(forward, args, kwargs)
         with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize,
-                     background=s.background):
+                     background=s.background, sites=self._sites):
             out = forward(*args, **kwargs)
         return real_outputs(out)  # after the session: its end runs the pending graph
 
@@ -72,7 +74,7 @@ class AcceleratedForward:
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
         before = dict(replayer.snapshots)
-        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background):
+        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
         if key is None:

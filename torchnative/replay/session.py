@@ -7,6 +7,7 @@ from typing import Any, Iterator, Sequence
 
 from torchnative import events, threads
 from torchnative.recording.recorder import Recorder
+from torchnative.recording.scalars import PROCESS, FloatSites
 from torchnative.recording.trie import Recorded
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
@@ -40,11 +41,11 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
 @contextmanager
 def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = frozenset(),
             tracer: Tracer | None = None, compile_after: int | None = DEFAULT_COMPILE_AFTER, quantize: str | None = None,
-            background: bool | None = None, floats_vary: bool = True) -> Iterator[Recorder | None]:
+            background: bool | None = None, sites: FloatSites | None = PROCESS) -> Iterator[Recorder | None]:
     """`weights`: ids of real tensors to treat as weights (`param` role), e.g. module buffers;
     `tracer` watches the session for replay; `compile_after`, `background`: see `program_for`
     (None: `program_cache.BACKGROUND`); `quantize`: a weight quantization scheme
-    (passes.quantize); `floats_vary`: see `Recorder`. Nested, the outer session records and its
+    (passes.quantize); `sites`: see `Recorder`. Nested, the outer session records and its
     settings hold."""
     outer = current_handler()
     if isinstance(outer, Recorder):  # nested: the outer session records; its end is a cut
@@ -58,7 +59,7 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
     chosen = resolve(delegates)
     if len(chosen) > 1:  # a delegate besides eager: its thread pool shares the cores with torch's
         threads.check()
-    recorder = Recorder(_executor(chosen, tracer, compile_after, quantize, background), mode, weights, floats_vary)
+    recorder = Recorder(_executor(chosen, tracer, compile_after, quantize, background), mode, weights, sites)
     if tracer is not None:
         recorder.observe = tracer.eager
     previous = set_handler(recorder)
