@@ -66,3 +66,25 @@ def run_both(fn, *args):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# Every partition the build's check (build/verify.py) declined in this run, with its delegate,
+# op mix and gap: delegate bugs to fix next, listed at the end of the run
+_DECLINED: list = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _declined_partitions():
+    def seen(e):
+        if isinstance(e, torchnative.events.Fallback) and e.reason.startswith("verify"):
+            _DECLINED.append(e)
+    stop = torchnative.events.listen(seen)
+    yield
+    stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DECLINED:
+        terminalreporter.section("partitions the build's check declined (build/verify.py)")
+        for e in _DECLINED:
+            terminalreporter.write_line(f"{e.delegate}, {e.n_ops} ops, graph {e.graph_key[:12]}: {e.reason}")

@@ -130,7 +130,7 @@ def test_a_range_of_sizes_runs_as_padded_buckets_on_htp(cache, tmp_path):
     loaded = torchnative.load(tmp_path / "b")
     assert [b[:2] for b in loaded.forward.buckets] == [(16, True), (32, True), (40, True), (40, False)]
     assert not loaded.fallbacks
-    assert all(any(p["delegate"] == "qnn" for g in m.spec["programs"] for p in g["partitions"]) for *_, m in loaded.forward.buckets)
+    assert all(any(p.delegate == "qnn" for g in m.spec.programs for p in g.partitions) for *_, m in loaded.forward.buckets)
     for n in (2, 15, 17, 40):
         with torch.no_grad():
             ref = model(**inputs(n)).last_hidden_state
