@@ -78,8 +78,7 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int | None
             with a warning: their backward would run on the float weights autograd saved.
         background: compile a graph's program on a background thread while the graph goes on
             running on eager, its program used from the first call after it is ready (None, the
-            default: off, unless the environment sets TORCHNATIVE_BACKGROUND_COMPILE=1; it is new,
-            and torch.export keeps state per process that a second thread may share); False
+            default: on, unless the environment sets TORCHNATIVE_BACKGROUND_COMPILE=0); False
             compiles in the call that needs the program. A weight written while its program
             compiles is pinned and the program built again. `wait_for_compiles()` blocks until
             they are done; at exit, compiles not yet started are dropped.

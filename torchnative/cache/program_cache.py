@@ -74,11 +74,12 @@ SIZE_LIMIT = 8
 # no rule describes one per size
 LIMIT = 256
 
-# compiles off the critical path: one at a time (two cores: a second compile would take the
-# call's), on a thread of their own, whose dispatch state is fresh as tracing compilers need.
-# Opt-in: torch.export keeps some state per process (its pre-dispatch modes: shim.door's
-# no_dispatch_modes keeps the door off it), and not all of it has been audited for a second thread.
-BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "0") == "1"
+# compiles off the critical path (the default; TORCHNATIVE_BACKGROUND_COMPILE=0 compiles in the
+# call): one at a time (two cores: a second compile would take the call's), on a thread of their
+# own, whose dispatch state is fresh as tracing compilers need; the graph runs on eager's program
+# meanwhile. torch.export keeps some state per process (its pre-dispatch modes: shim.door's
+# no_dispatch_modes keeps the door off it).
+BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") == "1"
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background",
                                  initializer=fresh_dispatch_state)
 # at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
@@ -175,30 +176,43 @@ class ProgramCache:
             if calibration.active():  # the graph runs on eager, its inputs kept for the program built later
                 self._keep_calibration_set(graph, inputs)
                 delegates = (eager,)
-            built_for, timed = graph, None  # a miss builds its graph, or the template it matches at its sizes
-            if delegates != (eager,):
-                built_for, delegates, why, timed = self._decide(graph, delegates, inputs, compile_after, quantize)
-                if why or timed:
-                    return self.program_for(graph, (eager,), inputs, 1, quantize)._replace(not_compiled=why, timed=timed)
-            differentiated = quantize is not None and _under_autograd(inputs)
-            if differentiated:
-                quantize = None
-            key = (built_for, graph.sig, delegates, quantize)
-            found = self._lookup(key, inputs)
-            if found is not None:
-                events.STATS.cache_hits += 1
-                return Found(found, True, False)
-            events.STATS.cache_misses += 1
-            if differentiated:
-                events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
-            if background and delegates != (eager,) and not calibration.active():
-                self._build_in_background(key, graph, inputs)
-                events.STATS.compiling_runs += 1
-                return Found(self.program_for(graph, (eager,), inputs, 1, quantize).program, False, True)
-            p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
-                              calibration_sets=self.calibration.get(graph, []))
-            self._took(key, p)
-            return Found(p, False, False)
+            if delegates == (eager,):
+                return self._on_eager(graph, inputs, quantize)
+            built_for, delegates, why, timed = self._decide(graph, delegates, inputs, compile_after, quantize)
+            if why or timed or delegates == (eager,):
+                return self._on_eager(graph, inputs, quantize)._replace(not_compiled=why, timed=timed)
+            return self._compiled_for(graph, built_for, delegates, inputs, quantize, background)
+
+    def _on_eager(self, graph: Recorded, inputs: list, quantize: str | None) -> Found:
+        """Eager's program for the graph: the one of the template it matches, once confirmed (one
+        program for every size, its integers computed from its inputs' sizes), else its own."""
+        template = self.templates.template_for(graph)
+        built_for = template if template is not None and template.confirmed else graph
+        return self._compiled_for(graph, built_for, (eager,), inputs, quantize, False)
+
+    def _compiled_for(self, graph: Recorded, built_for: Recorded | Template, delegates: tuple, inputs: list,
+                      quantize: str | None, background: bool) -> Found:
+        """The program of `built_for` for the delegates, found or built (in the background: eager's
+        meanwhile)."""
+        differentiated = quantize is not None and _under_autograd(inputs)
+        if differentiated:
+            quantize = None
+        key = (built_for, graph.sig, delegates, quantize)
+        found = self._lookup(key, inputs)
+        if found is not None:
+            events.STATS.cache_hits += 1
+            return Found(found, True, False)
+        events.STATS.cache_misses += 1
+        if differentiated:
+            events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
+        if background and delegates != (eager,) and not calibration.active():
+            self._build_in_background(key, graph, inputs)
+            events.STATS.compiling_runs += 1
+            return Found(self._on_eager(graph, inputs, quantize).program, False, True)
+        p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
+                          calibration_sets=self.calibration.get(graph, []))
+        self._took(key, p)
+        return Found(p, False, False)
 
     def _decide(self, graph: Recorded, delegates: tuple, inputs: list, compile_after: int | None,
                 quantize: str | None) -> tuple[Recorded | Template, tuple, str, tuple | None]:
