@@ -66,6 +66,8 @@ def test_capture_and_compile_then_run_in_a_fresh_process(arch, tmp_path):
     assert [i["name"] for i in forward["inputs"]] == list(inputs)
     assert {p["delegate"] for g in forward["programs"] for p in g["partitions"]} == {"ort"}
     assert manifest["state"] == [] and "generate" not in manifest
+    # each partition was checked against eager when built, and the manifest says how close it came
+    assert all(p["gap"] < 1e-4 and p["tolerance"] == "scale 0.0001" for g in forward["programs"] for p in g["partitions"])
 
 
 def test_mixed_delegates_with_eager_partitions_as_exported_programs(tmp_path):

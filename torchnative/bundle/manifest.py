@@ -90,6 +90,10 @@ class PartitionEntry:
     outputs: list[PartitionOutput]
     compile_s: float = 0.0
     fallback: Fallback | None = None
+    # the build's check (build/verify.py): its gap from eager on the build inputs and the bound it
+    # was held to ("inf" as text: JSON has no infinity); a declined partition is saved on eager
+    gap: Any = None
+    tolerance: str | None = None
 
 
 @dataclass

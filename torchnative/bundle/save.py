@@ -117,11 +117,15 @@ class _Writer:
         if built is not None and step.delegate == eager.name:
             fallback = m.Fallback(**self.file(f"g{k}_p{j}", eager.name, _exported(step.graph)),
                                   inputs=[name(n) for n in step.reads])
+        verdict = step.verdict
         return m.PartitionEntry(delegate=delegate, **self.file(f"g{k}_p{j}", delegate, payload), meta=meta,
                            constants=constants, ops=len(step.graph.op_nodes()), op_counts=dict(step.graph.op_counts()),
                            inputs=[name(n) for n in inputs],
                            outputs=[m.PartitionOutput(value=name(n), **self.layout(k, n)) for n in step.outputs],
-                           compile_s=round(step.compile_s, 3), fallback=fallback)
+                           compile_s=round(step.compile_s, 3), fallback=fallback,
+                           gap=None if verdict is None else verdict.gap if verdict.gap < float("inf") else "inf",
+                           tolerance=None if verdict is None else f"{verdict.tolerance.kind} {verdict.tolerance.bound:g}"
+                                                                  + ("" if verdict.ok else ", declined: saved on eager"))
 
     def layout(self, k: int, n: fx.Node) -> dict:
         """A graph value's dtype, shape and strides; in a method whose sizes follow n, each that

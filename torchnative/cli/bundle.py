@@ -78,17 +78,20 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
             c["partitions"] += 1
             c["ops"] += len(s.graph.op_nodes())
             c["seconds"] += s.compile_s
+            if s.verdict is not None:  # the worst gap from eager the build's check measured
+                c["gap"] = max(c.get("gap", 0.0), s.verdict.gap)
     total_ops = sum(c["ops"] for c in per.values()) or 1
     sizes = Counter()
     for name, data in files.items():
         sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
     graphs = ", ".join(f"{name} {len(m.trace.calls)}" for name, m in methods.items())
     table = Table(title=f"bundle {path}: graphs per method: {graphs}; {seconds:.1f} s")
-    for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB"):
+    for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB", "worst gap"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
     for d, c in sorted(per.items(), key=lambda kv: -kv[1]["ops"]):
         table.add_row(d, str(c["partitions"]), str(c["ops"]), f"{100 * c['ops'] / total_ops:.0f}%",
-                      f"{c['seconds']:.2f}", f"{sizes.get(d.split(' ')[0], 0) / 1024:.0f}")
+                      f"{c['seconds']:.2f}", f"{sizes.get(d.split(' ')[0], 0) / 1024:.0f}",
+                      f"{c['gap']:.1e}" if "gap" in c else "-")
     rows = [table]
     other = Table(title="also in the bundle")
     other.add_column("what")
