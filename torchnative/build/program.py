@@ -31,8 +31,9 @@ def baked_state(t: torch.Tensor) -> tuple[int, int, int]:
     written as state by a captured graph (which leaves the version as eager's kernels do:
     BatchNorm's running stats in train mode), and not given other memory (`p.data = new`,
     `set_`: the version does not move; delegates that take weights by address, as ONNX Runtime
-    does, would read the old memory)."""
-    return t._version, writes(t), t.data_ptr()
+    does, would read the old memory). An inference tensor has no version (passes/pin.py never
+    lets one be baked)."""
+    return -1 if t.is_inference() else t._version, writes(t), t.data_ptr()
 
 
 @dataclass

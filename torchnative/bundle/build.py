@@ -105,12 +105,16 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
     return Captured(trace, [run[1] for run in tracer.runs], out, tracer.recorded)
 
 
-def compile_trace(trace: Trace, run_inputs: list, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
-    """Each program of `trace` built again for `targets` (preference order), artifacts kept."""
+def compile_trace(captured: Captured, targets: Sequence[str] | None, quantize: str | None = None) -> Trace:
+    """Each program of the captured trace built again for `targets` (preference order), artifacts
+    kept; from its graph as recorded at these sizes (the program that ran it may be a template's,
+    with rules for sizes other calls of the process had: a bundle method is static unless
+    --dynamic says)."""
     delegates = resolve(targets)
-    calls = tuple(dataclasses.replace(call, program=build_program(call.program.captured, delegates, args, quantize, keep_artifacts=True))
-                  for call, args in zip(trace.calls, run_inputs))
-    return dataclasses.replace(trace, calls=calls)
+    calls = tuple(dataclasses.replace(call, program=build_program(recorded.graph(), delegates, args, quantize,
+                                                                  keep_artifacts=True))
+                  for call, args, recorded in zip(captured.trace.calls, captured.run_inputs, captured.recorded))
+    return dataclasses.replace(captured.trace, calls=calls)
 
 
 def prepare_model(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> list:
@@ -144,8 +148,8 @@ def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], target
     if dynamic is not None:
         return Compiled({"forward": _dynamic_method(model, inputs, reference, targets, quantize, dynamic)},
                         weight_names(model))
-    trace, run_inputs, out, _ = capture_call(model, inputs)
-    forward = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
+    captured = capture_call(model, inputs)
+    forward = method(inputs, compile_trace(captured, targets, quantize), captured.out, reference)
     return Compiled({"forward": forward}, weight_names(model))
 
 
@@ -196,8 +200,8 @@ def _bucketed(model: torch.nn.Module, inputs: dict[str, torch.Tensor], reference
             at_n = buckets.pad(at_n, dynamic.dims, size)
         else:
             expected = prepare_model(model, at_n)
-        trace, run_inputs, out, _ = capture_call(model, at_n)
-        methods[name] = method(at_n, compile_trace(trace, run_inputs, targets, quantize), out, expected)
+        captured = capture_call(model, at_n)
+        methods[name] = method(at_n, compile_trace(captured, targets, quantize), captured.out, expected)
         made.append((size, padded, name))
         below = size
     forward = CompiledBuckets(inputs, names, reference, dynamic.record(example), made, slices)
@@ -341,9 +345,9 @@ def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, qu
     ids_of = frozenset(map(id, states.values()))
     methods = {}
     for name, (module, inputs, cached) in calls.items():
-        trace, run_inputs, out, _ = capture_call(module, {**inputs, "cache": cache} if cached else inputs, ids_of)
-        reference = pytree.tree_leaves(out)
-        methods[name] = method(inputs, compile_trace(trace, run_inputs, targets, quantize), out, reference)
+        captured = capture_call(module, {**inputs, "cache": cache} if cached else inputs, ids_of)
+        methods[name] = method(inputs, compile_trace(captured, targets, quantize), captured.out,
+                               pytree.tree_leaves(captured.out))
     config = model.generation_config
     eos = config.eos_token_id
     generation = {"decode": "decode", "prefill_len": prefill_len, "cache_len": cache_len,

@@ -66,17 +66,20 @@ def reason(t: torch.Tensor) -> str:
     return _pins[id(t)].reason if is_pinned(t) else ""
 
 
+INFERENCE_REASON = ("an inference tensor (made under torch.inference_mode): torch keeps no version of its "
+                    "writes, so a program could not tell it changed; never baked")
 STATE_REASON = "written in place inside the graph: an input of every run, its new value written back after it"
 
 
 def apply_pins(graph: CapturedGraph, inputs: list[torch.Tensor]) -> CapturedGraph:
     """`param` inputs that are pinned take the role `pinned`; pinned and state placeholders are
     labelled (meta "updatable": (label, why)) for reports."""
-    roles = ["pinned" if r == "param" and is_pinned(x) else r for r, x in zip(graph.input_roles, inputs)]
+    roles = ["pinned" if r == "param" and (is_pinned(x) or x.is_inference()) else r
+             for r, x in zip(graph.input_roles, inputs)]
     placeholders = graph.placeholders()
     for p, r, x in zip(placeholders, roles, inputs):
         if r == "pinned":
-            p.meta["updatable"] = (label(x), reason(x))
+            p.meta["updatable"] = (label(x), reason(x) or INFERENCE_REASON)
         elif r == "state":
             p.meta["updatable"] = (label(x), STATE_REASON)
     if roles == graph.input_roles:
