@@ -67,6 +67,27 @@ def test_summary_figures_agree_with_stats(gpt2_profile):
     assert sum(times.values()) == pytest.approx(prof.data["wall_s"], rel=1e-6)
 
 
+def test_each_partition_shows_its_gap_to_eager(gpt2_profile):
+    """The build's check (build/verify.py) per partition: a delegate's within its tolerance."""
+    prof, _, _ = gpt2_profile
+    delegated = [p for p in prof.data["partitions"] if p["delegate"] in DELEGATES]
+    assert delegated and all(p["gap"].endswith(("scale", "l2")) for p in delegated)
+    assert all(float(p["gap"].split()[0]) < 1e-2 for p in delegated)
+    assert "gap to eager" in prof.summary(width=400)
+
+
+def test_a_declined_partition_shows_its_gap(monkeypatch):
+    from tests.test_numeric_gap import _PlusOne, _mlp
+    monkeypatch.setitem(REGISTRY, _PlusOne.name, _PlusOne())
+    model, x = _mlp(), torch.randn(4, 16)
+    with torch.no_grad(), torchnative.profile() as prof, torchnative.capture(["plus-one", "ort"], compile_after=1):
+        y = model(x)
+    torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-6)
+    (declined,) = [p for p in prof.data["partitions"] if "declined" in p["gap"]]
+    assert declined["delegate"] == "eager" and declined["gap"].startswith("5.6e-01 scale > 0.0001")
+    assert declined["gap"] in prof.summary(width=400)
+
+
 def test_every_break_and_source_line_is_in_the_report(gpt2_profile):
     prof, _, explanation = gpt2_profile
     text = prof.summary(width=400)

@@ -1,6 +1,7 @@
 """Every compiled partition is checked before it is trusted (issue 38, build/verify.py): a
 delegate partition beyond its delegate's tolerance on the build inputs runs on eager, declined with
 the numbers; the program's results are eager's; what the graph leaves undefined is not a gap."""
+import dataclasses
 import math
 
 import pytest
@@ -40,9 +41,48 @@ def test_a_wrong_partition_is_declined_at_build_and_the_result_is_eager_s(monkey
     assert any(k.startswith("plus-one: verify:") for k in torchnative.stats()["fallbacks"])
 
 
+class _OrtPlusOne(_PlusOne):
+    """ONNX Runtime's relu, + 1: a wrong delegate whose artifacts the disk cache keeps."""
+    name = "ort-plus-one"
+    ort = REGISTRY["ort"]
+    toolchain, external_weights = ort.toolchain, ort.external_weights
+
+    def compile(self, graph):
+        return dataclasses.replace(self.ort.compile(graph), delegate=self.name)
+
+    def load(self, artifact):
+        run = self.ort.load(artifact)
+        return lambda inputs: [o + 1 for o in run(inputs)]
+
+
+def test_a_verdict_is_kept_with_its_disk_cache_entry(monkeypatch, tmp_path):
+    """A second process (here: the in-memory caches cleared) takes the artifact and its verdict from
+    the disk cache: the wrong partition is declined again without an eager run."""
+    monkeypatch.setitem(REGISTRY, _OrtPlusOne.name, _OrtPlusOne())
+    monkeypatch.setattr("torchnative.store._dir", tmp_path)
+    model, x = _mlp(), torch.randn(4, 16)
+
+    def build() -> list:
+        clear_caches()
+        with torch.no_grad(), torchnative.capture(["ort-plus-one", "ort"], compile_after=1):
+            y = model(x)
+        torch.testing.assert_close(y, model(x), rtol=1e-5, atol=1e-6)
+        (program,) = programs()
+        return program.steps
+
+    first = build()
+    assert len(list(tmp_path.glob("*.verdict"))) == 3
+    monkeypatch.setattr("torchnative.build.pipeline.reference", lambda *a: pytest.fail("checked again"))
+    second = build()
+    assert [s.delegate for s in second] == ["ort", "eager", "ort"]
+    assert [(s.verdict.ok, s.verdict.gap) for s in second] == [(s.verdict.ok, s.verdict.gap) for s in first]
+
+
 def test_the_check_can_be_turned_off(monkeypatch):
     monkeypatch.setitem(REGISTRY, _PlusOne.name, _PlusOne())
-    monkeypatch.setattr("torchnative.build.verify.ENABLED", False)
+    monkeypatch.setattr("torchnative.build.verify.ENABLED", True)  # restored after the test
+    with pytest.warns(UserWarning, match="check of delegate partitions against eager is off"):
+        torchnative.set_verify(False)
     model, x = _mlp(), torch.randn(4, 16)
     with torch.no_grad(), torchnative.capture(["plus-one", "ort"], compile_after=1):
         y = model(x)  # held: a result nobody holds is never computed

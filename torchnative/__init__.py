@@ -5,6 +5,7 @@ cut where Python needs a value, and run as compiled programs, with eager semanti
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
@@ -39,7 +40,7 @@ from torchnative.shim import LazyTensor
 
 # the public surface; every other name here is private (the layers' own modules hold the rest)
 __all__ = ["accelerate", "deaccelerate", "capture", "calibrate", "explain", "profile", "pin", "pinned", "stats",
-           "reset_stats", "availability", "load", "set_cache_dir", "set_memory_limit", "wait_for_compiles", "Bundle", "BundleError", "Profile", "ProfileError",
+           "reset_stats", "availability", "load", "set_cache_dir", "set_memory_limit", "set_verify", "wait_for_compiles", "Bundle", "BundleError", "Profile", "ProfileError",
            "CapturedOpError", "Explanation", "Availability", "LazyTensor"]
 __version__ = "0.1.0"
 
@@ -235,6 +236,20 @@ def set_memory_limit(graphs: int) -> None:
     if graphs < 1:
         raise ValueError(f"set_memory_limit: graphs must be at least 1, got {graphs}")
     _CACHE.resize(graphs)
+
+
+def set_verify(enabled: bool) -> None:
+    """Whether programs built from now on check each delegate partition against eager before
+    trusting it (on by default; TORCHNATIVE_VERIFY=0 starts a process with it off). The check runs
+    each partition once on its build inputs beside eager and runs one beyond its delegate's stated
+    tolerance on eager, declined with the numbers; turned off, a delegate's wrong answer is
+    returned as it is: for a user who has checked the delegate on their model."""
+    from torchnative.build import verify
+
+    if bool(enabled) != verify.ENABLED:
+        warnings.warn(f"torchnative: the build's check of delegate partitions against eager is "
+                      f"{'on' if enabled else 'off'} for programs built from now on", stacklevel=2)
+    verify.ENABLED = bool(enabled)
 
 
 def set_cache_dir(path: str | None) -> None:

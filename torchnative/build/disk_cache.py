@@ -91,6 +91,26 @@ def put(entry: str, artifact: Artifact) -> None:
     store.write(f"{entry}.entry", header.encode() + b"\n" + artifact.payload)
 
 
+def get_verdict(entry: str) -> dict | None:
+    """The check's verdict on this artifact (build/verify.py), as an earlier process stored it."""
+    folder = store.directory()
+    if folder is None:
+        return None
+    try:
+        stored = json.loads((folder / f"{entry}.verdict").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        store.discard(f"{entry}.verdict")
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def put_verdict(entry: str, verdict: dict) -> None:
+    if store.directory() is not None:
+        store.write(f"{entry}.verdict", json.dumps(verdict).encode())
+
+
 def plan_key(graph: CapturedGraph, delegates: Sequence[Delegate]) -> str:
     names = tuple(d.name for d in delegates)
     return hashlib.sha256(f"{_FORMAT}\0plan\0{names}\0{graph.key}\0{_toolchain(*delegates)}".encode()).hexdigest()

@@ -26,7 +26,8 @@ class Lowered:
     delegate: str
     part: Subgraph
     artifact: Artifact | None = None
-    cache_entry: str | None = None  # the disk cache entry the artifact came from
+    cache_entry: str | None = None  # the disk cache entry the artifact came from or went to
+    from_cache: bool = False  # it came from there (an earlier process stored it)
     seconds: float = 0.0
 
 
@@ -64,24 +65,25 @@ def lower(graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torc
 def _lower(delegate: Delegate, part: Subgraph, graph_key: str) -> Lowered:
     started = time.perf_counter()
     try:
-        artifact, entry = in_clean_thread(artifact_of, delegate, part.graph)
+        artifact, entry, from_cache = in_clean_thread(artifact_of, delegate, part.graph)
     except Exception as e:  # compile failure: this partition runs eagerly, and we say so
         n_ops = len(part.graph.op_nodes())
         events.fallback(delegate.name, f"compile failed for {n_ops} op(s): {type(e).__name__}: {e}", graph_key, n_ops)
         return Lowered(EAGER, part)
-    return Lowered(delegate.name, part, artifact, entry, time.perf_counter() - started)
+    return Lowered(delegate.name, part, artifact, entry, from_cache, time.perf_counter() - started)
 
 
-def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -> tuple[Artifact, str | None]:
-    """From the disk cache (unless not `cached`), else compiled (and stored); with its cache entry."""
+def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -> tuple[Artifact, str | None, bool]:
+    """From the disk cache (unless not `cached`), else compiled (and stored); with its cache entry
+    (None without a disk cache) and whether it came from there."""
     entry = disk_cache.key(delegate, graph) if store.directory() is not None else None
     artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry and cached else None
     if artifact is not None:
-        return artifact, entry
+        return artifact, entry, True
     artifact = delegate.compile(fuse(graph, delegate.composites))
     if entry:
         disk_cache.put(entry, artifact)
-    return artifact, None
+    return artifact, entry, False
 
 
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:

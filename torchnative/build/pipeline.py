@@ -19,7 +19,8 @@ from torchnative.build.runners import runners
 from torchnative.build.lower import lower
 from torchnative.build.program import Program, Step
 from torchnative.build import verify as verification
-from torchnative.build.verify import check, declined, reference, tolerance_of
+from torchnative.build import disk_cache
+from torchnative.build.verify import Verdict, check, declined, reference, tolerance_of
 from torchnative.sizes import narrowest
 
 
@@ -49,21 +50,35 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
 
 def _verified(graph: CapturedGraph, inputs: list, steps: list[Step], delegates: dict) -> float:
     """Each delegate step checked against eager on the build inputs; one beyond its delegate's
-    tolerance is replaced by its partition on eager. The seconds it took."""
+    tolerance is replaced by its partition on eager. An artifact from the disk cache keeps the
+    verdict it had when first built (no eager run for it again). The seconds it took."""
     if all(s.delegate == EAGER for s in steps):
         return 0.0
     started = time.perf_counter()
-    ref = reference(graph, inputs)
+    ref = None
     for i, s in enumerate(steps):
         if s.delegate == EAGER:
             continue
-        verdict = check(s, ref, tolerance_of(delegates[s.delegate], s.graph))
+        verdict = _stored_verdict(s.entry)
+        if verdict is None:
+            ref = ref or reference(graph, inputs)
+            verdict = check(s, ref, tolerance_of(delegates[s.delegate], s.graph))
+            if s.entry:
+                disk_cache.put_verdict(s.entry, verdict.stored())
         s.verdict = verdict
         if not verdict.ok:
             declined(s.delegate, verdict, graph.key, s.n_ops())
             steps[i] = Step(EAGER, s.graph, s.reads, s.reads, s.outputs, eager.load(eager.compile(s.graph)),
                             s.compile_s, verdict=verdict)
     return time.perf_counter() - started
+
+
+def _stored_verdict(entry: str | None) -> Verdict | None:
+    stored = disk_cache.get_verdict(entry) if entry else None
+    try:
+        return Verdict.from_stored(stored) if stored is not None else None
+    except (KeyError, TypeError, ValueError):  # a verdict file of another shape: checked again
+        return None
 
 
 def _ranges(lowered, kind: str) -> dict[int, tuple[int, int]]:

@@ -52,6 +52,7 @@ class Step:
     label: str = ""  # what an error names it by, for a loaded step (its partition and file)
     ops: int = 0  # a loaded step's op count (a built one's is its graph's)
     verdict: Any = None  # build/verify.py's: its gap from eager when built (a declined one runs on eager)
+    entry: str | None = None  # the disk cache entry its artifact came from or went to (its verdict is kept beside)
 
     def n_ops(self) -> int:
         return len(self.graph.op_nodes()) if self.graph is not None else self.ops

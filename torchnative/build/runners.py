@@ -52,7 +52,8 @@ def _step(delegate: Delegate, part: Lowered, graph_key: str, keep: bool) -> Step
         events.fallback(name, f"compile-only on this platform: {compile_only}", graph_key, len(sub.graph.op_nodes()))
         run, runtime_inputs, name = eager.load(eager.compile(sub.graph)), sub.reads, EAGER
     return Step(name, sub.graph, sub.reads, runtime_inputs, sub.outputs, run,
-                part.seconds + time.perf_counter() - started, len(artifact.payload), artifact if keep else None)
+                part.seconds + time.perf_counter() - started, len(artifact.payload), artifact if keep else None,
+                entry=part.cache_entry)
 
 
 def _runner(delegate: Delegate, part: Lowered) -> tuple[Callable | None, str, Artifact]:
@@ -60,10 +61,10 @@ def _runner(delegate: Delegate, part: Lowered) -> tuple[Callable | None, str, Ar
     try:
         return (*_load(delegate, part.artifact), part.artifact)
     except Exception:
-        if part.cache_entry is None:
+        if not part.from_cache:
             raise
         disk_cache.discard(part.cache_entry)
-    artifact, _ = artifact_of(delegate, part.part.graph, cached=False)
+    artifact, *_ = artifact_of(delegate, part.part.graph, cached=False)
     return (*_load(delegate, artifact), artifact)
 
 

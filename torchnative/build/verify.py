@@ -122,6 +122,15 @@ class Verdict:
     tolerance: Tolerance
     error: str = ""   # the partition failed to run at all
 
+    def stored(self) -> dict:
+        """As the disk cache keeps it beside its artifact (JSON: an infinite gap as text)."""
+        return {"ok": self.ok, "gap": self.gap if math.isfinite(self.gap) else "inf", "output": self.output,
+                "tolerance": [self.tolerance.kind, self.tolerance.bound, self.tolerance.why], "error": self.error}
+
+    @classmethod
+    def from_stored(cls, d: dict) -> "Verdict":
+        return cls(bool(d["ok"]), float(d["gap"]), str(d["output"]), Tolerance(*d["tolerance"]), str(d["error"]))
+
     def reason(self) -> str:
         if self.error:
             return f"verify: failed on its build inputs: {self.error}"

@@ -81,7 +81,7 @@ class Collector:
                 "id": f"{key[:12]}#{index}/{step.delegate}", "graph": key[:12], "index": index, "delegate": step.delegate,
                 "n_ops": len(step.graph.op_nodes()), "ops": dict(step.graph.op_counts()),
                 "sources": source_lines(step.graph), "compile_s": step.compile_s,
-                "artifact_bytes": step.artifact_bytes, "times": []}
+                "artifact_bytes": step.artifact_bytes, "times": [], "gap": _gap(step.verdict)}
         return part
 
     def record(self, wall_s: float) -> dict:
@@ -191,3 +191,14 @@ def profile() -> Iterator[Profile]:
         events.timing = previous
         stop()
         prof.data = collector.record(wall)
+
+
+def _gap(verdict: Any) -> str:
+    """The build's check of a partition (build/verify.py), as the report shows it: its worst
+    output's gap to eager in its tolerance's measure, and `declined` for one that runs on eager."""
+    if verdict is None:
+        return ""
+    if verdict.error:
+        return "failed: declined"
+    shown = f"{verdict.gap:.1e} {verdict.tolerance.kind}"
+    return shown if verdict.ok else f"{shown} > {verdict.tolerance.bound:g}: declined"

@@ -49,13 +49,13 @@ def tables(prof: "Profile") -> Iterator[Table | Text]:
     yield t
 
     t = _table("Top partitions by time", "partition", "delegate", "ops", "runs", "total ms", "p50 ms", "p95 ms",
-               "compile s", "artifact KiB", "source lines (ops)")
+               "compile s", "artifact KiB", "gap to eager", "source lines (ops)")
     for p in prof.top_partitions():
         src = ", ".join(f"{short_path(f, line)} ({k})" for f, line, k in p["sources"][:2])
         more = len(p["sources"]) - 2
         t.add_row(p["id"], p["delegate"], str(p["n_ops"]), str(p["runs"]), _ms(p["total_s"]), _ms(p["p50_s"]),
                   _ms(p["p95_s"]), f"{p['compile_s']:.2f}", f"{p['artifact_bytes'] / 1024:.0f}",
-                  src + (f" and {more} more" if more > 0 else ""))
+                  p.get("gap", ""), src + (f" and {more} more" if more > 0 else ""))
     yield t
 
     if d["declined"]:
