@@ -69,7 +69,7 @@ def _seed():
 
 
 # Every partition the build's check (build/verify.py) declined in this run, with its delegate,
-# op mix and gap: delegate bugs to fix next, listed at the end of the run
+# size, gap and the test that built it: delegate bugs to fix next, listed at the end of the run
 _DECLINED: list = []
 
 
@@ -77,7 +77,7 @@ _DECLINED: list = []
 def _declined_partitions():
     def seen(e):
         if isinstance(e, torchnative.events.Fallback) and e.reason.startswith("verify"):
-            _DECLINED.append(e)
+            _DECLINED.append((e, os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]))
     stop = torchnative.events.listen(seen)
     yield
     stop()
@@ -86,5 +86,5 @@ def _declined_partitions():
 def pytest_terminal_summary(terminalreporter):
     if _DECLINED:
         terminalreporter.section("partitions the build's check declined (build/verify.py)")
-        for e in _DECLINED:
-            terminalreporter.write_line(f"{e.delegate}, {e.n_ops} ops, graph {e.graph_key[:12]}: {e.reason}")
+        for e, test in _DECLINED:
+            terminalreporter.write_line(f"{e.delegate}, {e.n_ops} ops, graph {e.graph_key[:12]} ({test}): {e.reason}")

@@ -51,6 +51,7 @@ def test_status_is_truthful_here():
         assert status.status == "compile-only" and "macOS and iOS only" in status.reason
 
 
+@pytest.mark.slow  # ~1 min of conversions; the models' and bundles' tests convert the common ops by default
 def test_claimed_ops_convert_and_validate(cache, tmp_path):
     r = sweep(tmp_path, "--samples", "1", "--delegates", "coreml", "--ops", ",".join(OPS), cache=cache)
     print(f"coreml: {len(r['delegated'])} of {r['pass'] + r['fallback']} samples converted and validated")

@@ -115,7 +115,9 @@ def test_a_size_that_breaks_a_rule_is_a_graph_of_its_own_and_stays_exact():
     assert torchnative.stats()["symbolic_graphs"] == 2
 
 
-@pytest.mark.parametrize("name, delegate", [("gpt2", "ort"), ("llama", "ort"), ("gpt2", "xnnpack")])
+# xnnpack's (~65 s: a .pte per prompt length's graphs) behind -m slow, as ort's two cover the default run
+@pytest.mark.parametrize("name, delegate", [("gpt2", "ort"), ("llama", "ort"),
+                                            pytest.param("gpt2", "xnnpack", marks=pytest.mark.slow)])
 def test_generate_with_the_default_cache_compiles_once_for_any_prompt(name, delegate):
     """transformers' DynamicCache grows by a token each decode step, and each prompt has its
     length: a template for the prefill and one for the decode step serve them all (on XNNPACK,

@@ -23,7 +23,7 @@ from torchnative.partitioner import Partition, Plan
 from torchnative.sizes import narrowest
 from torchnative.toolchain import fingerprint
 
-_FORMAT = 2  # 2: ranges and bounds are the artifact's own fields
+_FORMAT = 3  # 2: ranges and bounds are the artifact's own fields; 3: HTP artifacts without Reciprocal
 
 
 def _toolchain(*delegates: Delegate) -> str:
