@@ -81,6 +81,7 @@ def _step(state, x, a: float = 0.99):
 @pytest.mark.parametrize("delegate", DELEGATES)
 def test_a_mean_teacher_updated_through_data_inside_a_captured_step_matches_eager(delegate):
     eager, captured = _mean_teacher(), _mean_teacher()
+    torchnative.reset_stats()
     for i in range(10):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
         expected = _step(eager, x)
@@ -89,6 +90,9 @@ def test_a_mean_teacher_updated_through_data_inside_a_captured_step_matches_eage
         assert_same(got, expected, **_tol(delegate))
     for mine, theirs in zip(captured[1].parameters(), eager[1].parameters()):
         assert_same(mine.detach(), theirs.detach(), **_tol(delegate))
+    # the build's check compares each partition with the values eager had where it read them, not
+    # after the step wrote them in place (it declined a partition of this step 0.667 "off")
+    assert not [f for f in torchnative.stats()["fallbacks"] if "verify" in f]
 
 
 class _Teaching(torch.nn.Module):

@@ -115,6 +115,10 @@ def test_gaps_measure_what_they_say():
     assert gap(t([3.0, 4.0]), t([3.0, 0.0]), "l2") == pytest.approx(4 / 3)
     assert gap(t([math.nan]), t([1.0])) == math.inf and gap(t([1.0, 2.0]), t([1.0])) == math.inf
     assert gap(t([1.0, 99.0]), t([1.0, 2.0]), defined=t([True, False])) == 0.0
+    # a value that cancelled to ~0 is measured against a floor of 1e-3, not its own noise
+    assert gap(t([1.5e-8, 0.0]), t([1.1e-8, 0.0])) == pytest.approx(4e-6, rel=1e-3)
+    assert gap(t([2e-3]), t([1e-3])) == pytest.approx(1.0)
+    assert gap(t([3]), t([1])) == 2 / 1  # integers: no floor
 
 
 def test_verification_runs_on_every_compiled_model_partition_without_false_alarms():

@@ -38,7 +38,8 @@ YES = Support(True)
 class Tolerance:
     """How far a delegate's partition may be from eager's and still be trusted (build/verify.py):
     "scale", the largest absolute error over the output's largest magnitude (float32 kernels that
-    round otherwise), or "l2", the relative L2 error (quantized activations, float16)."""
+    round otherwise), or "l2", the relative L2 error (quantized activations, float16); a float
+    output's magnitude counts as at least 1e-3 (build/verify.py)."""
     kind: Literal["scale", "l2"]
     bound: float
     why: str

@@ -44,6 +44,11 @@ def _values(val: Any) -> tuple:
     return tuple(val) if isinstance(val, (list, tuple)) else (val,)
 
 
+# the least scale a float value is measured against: a value that cancels to ~0 (a gradient at the
+# first step of a mean teacher, 1e-8) is rounding noise of the O(1) terms it came from, not a gap
+_FLOOR = 1e-3
+
+
 def gap(got: Any, want: Any, kind: str = "scale", defined: torch.Tensor | None = None) -> float:
     """How far a delegate's value is from eager's, in `kind`'s measure, over the `defined`
     elements; a value of another shape or dtype, or NaN or ±inf where eager has none, is inf."""
@@ -52,6 +57,7 @@ def gap(got: Any, want: Any, kind: str = "scale", defined: torch.Tensor | None =
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
         return math.inf
     g, w = (torch.view_as_real(t) if t.is_complex() else t for t in (got.detach(), want.detach()))
+    floor = _FLOOR if want.is_floating_point() or want.is_complex() else 0.0
     g, w = g.double(), w.double()
     if defined is not None:
         g, w = g[defined], w[defined]
@@ -63,11 +69,11 @@ def gap(got: Any, want: Any, kind: str = "scale", defined: torch.Tensor | None =
     if kind == "l2":
         if torch.isinf(diff).any():
             return math.inf
-        norm = w[finite].norm().item()
+        norm = max(w[finite].norm().item(), floor * math.sqrt(w.numel()))
         error = diff.norm().item()
         return 0.0 if error == 0.0 else error / norm if norm > 0 else math.inf
     worst = diff.max().item()
-    scale = w[finite].abs().max().item() if finite.any() else 0.0
+    scale = max(w[finite].abs().max().item() if finite.any() else 0.0, floor)
     return 0.0 if worst == 0.0 else worst / scale if scale > 0 else math.inf
 
 
