@@ -54,7 +54,7 @@ def main() -> None:
                                  declined.append((name, delegate, e.reason)) if isinstance(e, events.Fallback)
                                  and e.reason.startswith("verify") else None)
             try:
-                with torch.no_grad(), torchnative.capture([delegate], compile_after=1):
+                with torch.no_grad(), torchnative.capture([delegate], compile_after=1, background=False):
                     for call in calls:
                         call().sum().item()
             finally:

@@ -61,7 +61,7 @@ def _verified(graph: CapturedGraph, inputs: list, steps: list[Step], delegates: 
             continue
         verdict = _stored_verdict(s.entry)
         if verdict is None:
-            ref = ref or reference(graph, inputs)
+            ref = ref or reference(graph, inputs, {n for t in steps if t.delegate != EAGER for n in (*t.inputs, *t.outputs)})
             verdict = check(s, ref, tolerance_of(delegates[s.delegate], s.graph))
             if s.entry:
                 disk_cache.put_verdict(s.entry, verdict.stored())

@@ -78,17 +78,20 @@ def gap(got: Any, want: Any, kind: str = "scale", defined: torch.Tensor | None =
 
 
 class _Eager(fx.Interpreter):
-    """The graph on eager, every node's value kept; memory `torch.empty` made is filled first."""
+    """The graph on eager, the values of the nodes in `keep` kept (the others freed as the graph
+    runs: every activation of a ResNet-50 kept cost more than its run); memory `torch.empty` made
+    is filled first."""
 
-    def __init__(self, gm: fx.GraphModule, fill: float):
+    def __init__(self, gm: fx.GraphModule, fill: float, keep: set):
         super().__init__(gm)
-        self.fill, self.values = fill, {}
+        self.fill, self.keep, self.values = fill, keep, {}
 
     def run_node(self, n: fx.Node) -> Any:
         value = super().run_node(n)
         if n.op == "call_function" and n.target in _EMPTY:
             value.fill_(self.fill if value.is_floating_point() else int(self.fill == 0) - 1)
-        self.values[n] = value
+        if n in self.keep:
+            self.values[n] = value
         return value
 
 
@@ -100,15 +103,16 @@ class Reference:
     defined: dict
 
 
-def reference(graph: CapturedGraph, inputs: list) -> Reference:
-    """The prepared graph on eager, on copies of the states it writes in place (a KV cache)."""
+def reference(graph: CapturedGraph, inputs: list, keep: set) -> Reference:
+    """The prepared graph on eager, on copies of the states it writes in place (a KV cache); the
+    values of the nodes in `keep` (the delegate partitions' inputs and outputs)."""
     args = [t.clone() if role == "state" and isinstance(t, torch.Tensor) else t
             for t, role in zip(inputs, graph.input_roles)]
     fills = (0.0, math.nan) if any(n.target in _EMPTY for n in graph.gm.graph.nodes) else (0.0,)
     runs = []
     with torch.no_grad():
         for fill in fills:
-            run = _Eager(graph.gm, fill)
+            run = _Eager(graph.gm, fill, keep)
             run.run(*[a.clone() if isinstance(a, torch.Tensor) and len(fills) > 1 else a for a in args])
             runs.append(run.values)
     defined = {}
