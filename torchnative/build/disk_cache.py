@@ -75,8 +75,12 @@ def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifa
 
 
 def discard(entry: str) -> None:
-    """A corrupt entry (or one whose artifact failed to load): removed, to be rebuilt."""
+    """A corrupt entry (or one whose artifact failed to load): removed, to be rebuilt, and its
+    verdict with it (the rebuilt artifact is checked again)."""
     store.discard(f"{entry}.entry")
+    folder = store.directory()
+    if folder is not None:
+        (folder / f"{entry}.verdict").unlink(missing_ok=True)
 
 
 def put(entry: str, artifact: Artifact) -> None:
