@@ -141,6 +141,7 @@ def test_a_bundle_ships_the_packages_and_runs_here_on_their_eager_fallback(cache
     assert all("macOS and iOS only" in why for _, _, why in loaded.fallbacks)
 
 
+@pytest.mark.slow  # ~35 s of conversion; the bundle test above converts by default
 def test_a_generating_bundle_keeps_the_kv_cache_as_core_ml_states(cache, tmp_path):
     """Prefill and decode over one static cache: every cache write is a Core ML state (iOS 18
     StateType) of a package, and the bundle generates eager's tokens here on the fallbacks."""

@@ -17,9 +17,10 @@ from torchnative.delegates import REGISTRY
 
 
 @pytest.fixture(autouse=True)
-def fresh():
+def fresh(monkeypatch):
     clear_caches()
     torchnative.reset_stats()
+    monkeypatch.setattr("torchnative.build.verify._warned", set())  # each test sees its warning once
 
 
 def test_a_wrong_partition_is_declined_at_build_and_the_result_is_eager_s(monkeypatch):
