@@ -65,12 +65,16 @@ def _quiet():
         logging.disable(logging.NOTSET)
 
 
+def _positive(t: torch.Tensor) -> torch.Tensor:
+    return t.abs() + 0.1 if t.is_floating_point() else t
+
+
 def _runtime_samples(graph: CapturedGraph) -> list[list[np.ndarray]]:
     """Calibration inputs: the sets of values the graph was built with and calibrated on, else
     (a probe's graph) positive noise: a NaN of rsqrt or log on normal noise leaves the quantizer
     no range ("scale issue")."""
     placeholders = graph.placeholders()
-    sets = graph.samples or [[torch.randn(n.meta["val"].shape).abs() + 0.1 for n in placeholders]]
+    sets = graph.samples or [[_positive(torch.randn(n.meta["val"].shape)) for n in placeholders]]
     return [[s.detach().contiguous().numpy() for s, r in zip(values, graph.input_roles) if not is_weight(r)]
             for values in sets]
 
@@ -224,7 +228,7 @@ def _finite_masks(model):
 
 
 def _try_on_htp(qnn: Qnn, alone: CapturedGraph) -> None:
-    inputs = [t.abs() + 0.1 if t.is_floating_point() else t for t in random_inputs(alone)]  # as calibrated
+    inputs = [_positive(t) for t in random_inputs(alone)]  # as calibrated
     if inputs:  # else computed from weights alone: folded before HTP sees it
         qnn.load(qnn.compile(alone))(inputs)
 
