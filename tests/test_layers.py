@@ -110,6 +110,7 @@ ALLOWED_TABLES = {
     "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",
     "torchnative.threads._warned": "one flag",
     "torchnative.build.verify._warned": "one entry per delegate",
+    "torchnative.quiet._attached": "the log handlers a quiet() block filters, emptied when the last one ends",
     "torchnative.replay.watch._hooks": "two hook handles while any module is watched",
 }
 _MAKERS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "WeakValueDictionary",

@@ -14,6 +14,10 @@ from torchnative import threads
 threads.before_torch()  # before torch loads its OpenMP runtime
 import torch  # noqa: E402
 
+from torchnative import quiet  # noqa: E402
+
+quiet.install()
+
 from torchnative import events, store
 from torchnative.bundle import Bundle, BundleError
 from torchnative.bundle import load as _load

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -11,6 +10,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.sizes import SIZES, dynamic_dims, export_sized, symbolic
+from torchnative.quiet import quiet
 
 # meta a pass derives and lowering depends on (part of the key): the value's last dim repeats its
 # first half (passes.fuse.mark_halves), so a fused RoPE kernel may read that half alone
@@ -130,8 +130,7 @@ class CapturedGraph:
                 v = n.meta["val"]
                 examples.append(torch.zeros(v.shape, dtype=v.dtype) if dense else torch.zeros_like(v, device="cpu"))
                 dynamic.append(dynamic_dims(n, roots))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             return export_sized(fx.GraphModule(root, g), tuple(examples), tuple(dynamic) if roots else None)
 
     @property

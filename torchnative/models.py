@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from torchnative.quiet import quiet_import
 
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
@@ -49,10 +48,9 @@ class ModelSpecError(ValueError):
 def transformers_model(architecture: str, config: str = "tiny", seed: int = 0, use_cache: bool = False) -> torch.nn.Module:
     """`transformers.<architecture>` from a preset name or a JSON config file, random weights, eval
     mode. Without `use_cache` the outputs hold no KV cache object (state a bundle does not carry)."""
-    with quiet_import():  # transformers imports torchao, lazily: on the model class's lookup
-        import transformers
+    import transformers
 
-        cls = getattr(transformers, architecture, None)
+    cls = getattr(transformers, architecture, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module) and hasattr(cls, "config_class")):
         raise ModelSpecError(f"transformers has no model class {architecture!r} (e.g. {', '.join(ARCHITECTURES.values())})")
     config_class = cls.config_class

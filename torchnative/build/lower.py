@@ -18,6 +18,7 @@ from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Plan, Subgraph, extract, partition, written_back
 from torchnative.passes.fuse import fuse
 from torchnative.build import disk_cache
+from torchnative.quiet import quiet
 
 
 @dataclass
@@ -80,7 +81,8 @@ def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -
     artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry and cached else None
     if artifact is not None:
         return artifact, entry, True
-    artifact = delegate.compile(fuse(graph, delegate.composites))
+    with quiet():  # the toolchain's notes; the user's, from other threads meanwhile, pass
+        artifact = delegate.compile(fuse(graph, delegate.composites))
     if entry:
         disk_cache.put(entry, artifact)
     return artifact, entry, False

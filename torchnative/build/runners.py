@@ -16,6 +16,7 @@ from torchnative.partitioner import EAGER
 from torchnative.build import disk_cache
 from torchnative.build.lower import Lowered, LoweredGraph, artifact_of
 from torchnative.build.program import Step
+from torchnative.quiet import quiet
 
 
 def runners(lowered: LoweredGraph, graph_key: str, keep_artifacts: bool = False) -> list[Step]:
@@ -70,6 +71,7 @@ def _runner(delegate: Delegate, part: Lowered) -> tuple[Callable | None, str, Ar
 
 def _load(delegate: Delegate, artifact: Artifact) -> tuple[Callable | None, str]:
     try:
-        return delegate.load(artifact), ""
+        with quiet():
+            return delegate.load(artifact), ""
     except CompileOnly as e:
         return None, str(e)

@@ -25,6 +25,7 @@ from torchnative.interface import Artifact
 from torchnative.lru import Lru
 from torchnative.replay.trace import GraphCall, Miss, Trace, run
 from torchnative.sizes import dense_strides
+from torchnative.quiet import quiet
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -61,7 +62,8 @@ def _load_partition(reader: Reader, part: m.PartitionEntry, weights: dict) -> tu
         return _exported(payload), part.inputs, ""
     try:
         constants = {local: weights[name] for local, name in part.constants.items()}
-        return delegate.load(Artifact(name, payload, part.meta, constants)), part.inputs, ""
+        with quiet():
+            return delegate.load(Artifact(name, payload, part.meta, constants)), part.inputs, ""
     except Exception as e:
         raise BundleError(f"delegate {name!r} could not load {part.artifact} of {reader.path}: "
                           f"{type(e).__name__}: {e}") from e

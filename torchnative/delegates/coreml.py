@@ -9,15 +9,12 @@ Core ML takes is found by converting each kind of node alone (delegates/probe.py
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import io
-import logging
 import operator
 import platform
 import tempfile
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -30,6 +27,7 @@ from torchnative.interface import Artifact, Availability, CompileOnly, Runner, S
 from torchnative.delegates.probe import Probe
 from torchnative.delegates.onnx_export import slice_write
 from torchnative.ir import CapturedGraph, is_weight
+from torchnative.quiet import quiet
 from torchnative.passes.attention import zero_masked_rows
 from torchnative.passes.state import SLICE_UPDATE
 
@@ -43,23 +41,11 @@ COMPRESSIONS = (None, "int8", "int4", "palettize4")
 _DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.bool}
 
 
-@contextlib.contextmanager
-def _quiet():
-    """coremltools reports each conversion pass on its loggers and with tqdm bars."""
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(logging.NOTSET)
-
-
 @functools.cache
 def _ct():
     """coremltools, imported without its notes on untested torch/scikit-learn versions and on the
     macOS-only libraries it cannot load here."""
-    with _quiet():
+    with quiet():
         import coremltools
 
         import coremltools.optimize.coreml  # noqa: F401 -- for _compress
@@ -115,7 +101,7 @@ def describe(payload: bytes) -> dict:
     ct = _ct()
     from coremltools.converters.mil.frontend.milproto.load import load as parse
 
-    with tempfile.TemporaryDirectory() as tmp, _quiet():
+    with tempfile.TemporaryDirectory() as tmp, quiet():
         package = unpack(payload, Path(tmp))
         spec = ct.utils.load_spec(str(package))
         weights = next(package.rglob("weights"), package)
@@ -181,7 +167,7 @@ class CoreML:
 
     def compile(self, graph: CapturedGraph) -> Artifact:
         mlmodel = self._convert(graph)
-        with tempfile.TemporaryDirectory() as tmp, _quiet():
+        with tempfile.TemporaryDirectory() as tmp, quiet():
             mlmodel.save(str(Path(tmp) / "model.mlpackage"))
             payload = _zip(Path(tmp) / "model.mlpackage")
         runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
@@ -227,7 +213,7 @@ class CoreML:
         ct = _ct()
 
         precision = ct.precision.FLOAT16 if self.precision == "float16" else ct.precision.FLOAT32
-        with _quiet():
+        with quiet():
             # a state the graph writes is a mutable buffer of the export: coremltools makes it a state
             states = frozenset(_states(graph))
             exported = _indexed_in_full(graph).to_exported_program(dense=True, states=states).run_decompositions({})

@@ -9,7 +9,6 @@ import functools
 import logging
 import math
 import operator
-import warnings
 
 import torch
 import torch.fx as fx
@@ -19,6 +18,7 @@ from torchnative.ir import CapturedGraph
 from torchnative.sizes import exported_ranges
 from torchnative.passes.fuse import gelu_tanh_op, quantized_mm_op, rms_norm_op, rope_op
 from torchnative.recording.ops import DECOMPOSITIONS, KEPT_WHOLE
+from torchnative.quiet import quiet
 
 SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _COMPOSITE_OPS = {rms_norm_op, rope_op, gelu_tanh_op}
@@ -380,8 +380,7 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
     exported = graph.to_exported_program()
     if ranges is not None:
         ranges.update(exported_ranges(exported, graph.gm))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
             exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
                                                          for op in _DECOMPOSED_WHERE})

@@ -14,6 +14,7 @@ from torchnative.delegates.base import in_clean_thread
 from torchnative import store
 from torchnative.interface import YES, Delegate, Support
 from torchnative.ir import CapturedGraph, is_weight
+from torchnative.quiet import quiet
 from torchnative.toolchain import fingerprint
 
 
@@ -69,6 +70,11 @@ def alone(node: fx.Node) -> CapturedGraph:
     return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"], constants)
 
 
+def _quietly(trial: Callable[[CapturedGraph], None], graph: CapturedGraph) -> None:
+    with quiet():  # the compiler's notes on a node it may well refuse
+        trial(graph)
+
+
 def random_inputs(graph: CapturedGraph) -> list[torch.Tensor]:
     """Values for the placeholders passed at run time (not weights)."""
     placeholders = graph.placeholders()
@@ -106,7 +112,7 @@ class Probe:
 
     def _try(self, node: fx.Node) -> Support:
         try:
-            in_clean_thread(self.trial, alone(node))  # asked from inside the door, where export cannot trace
+            in_clean_thread(_quietly, self.trial, alone(node))  # asked from inside the door, where export cannot trace
             return YES
         except BaseException as e:  # noqa: BLE001 -- native compilers raise odd things (pyo3 panics)
             if isinstance(e, (KeyboardInterrupt, SystemExit)):

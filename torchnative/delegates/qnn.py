@@ -10,13 +10,10 @@ the NPU's, times are not.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
-import logging
 import platform
 import tempfile
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +25,7 @@ from torchnative.delegates.onnx_export import to_onnx
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
 from torchnative.ir import CapturedGraph, is_weight
+from torchnative.quiet import quiet
 
 _HINT = "pip install onnxruntime-qnn==2.7.0"
 _TYPES = {"uint8": "QUInt8", "uint16": "QUInt16", "int8": "QInt8", "int16": "QInt16"}
@@ -46,23 +44,12 @@ def _options(**config: str):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # a node HTP rejects is an exception (and a reason), not a log line
     options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # nothing runs on CPU unseen
     for k, v in config.items():
         options.add_session_config_entry(k, v)
     options.add_provider_for_devices(list(_devices()), {"backend_type": "htp"})
     return options
-
-
-@contextlib.contextmanager
-def _quiet():
-    """onnxruntime.quantization advises on the root logger (pre-processing, opset upgrades):
-    notes for its own users, not ours."""
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(logging.NOTSET)
 
 
 def _positive(t: torch.Tensor) -> torch.Tensor:
@@ -146,8 +133,8 @@ class Qnn:
             def get_next(self):
                 return self.left.pop() if self.left else None
 
-        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet():
-            warnings.simplefilter("ignore")
+        # onnxruntime.quantization advises on the root logger (pre-processing, opset upgrades)
+        with tempfile.TemporaryDirectory() as tmp, quiet():
             fp32, qdq, context = (str(Path(tmp) / f) for f in ("fp32.onnx", "qdq.onnx", "context.onnx"))
             onnx.save(model, fp32 + ".raw")
             # folds the transposes of constant weights and the like: HTP rejects a Gemm whose

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import warnings
 
 import torch
 import torch.fx as fx
@@ -12,7 +11,7 @@ import torch.fx as fx
 from torchnative import sizes
 from torchnative.interface import YES, Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph
-from torchnative.quiet import quiet_import
+from torchnative.quiet import native_notes_dropped, quiet
 
 _HINT = "pip install executorch==1.5.1"
 # our Core ATen view ops are the Edge dialect's *_copy ops
@@ -21,7 +20,7 @@ _EDGE_NAMES = {"view": "view_copy", "permute": "permute_copy", "unsqueeze": "uns
 @functools.cache
 def _targets() -> frozenset[str]:
     """Edge op names ("addmm.default") that some XNNPACK partitioner config takes."""
-    with quiet_import():
+    with quiet():
         from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 
     names = set()
@@ -97,7 +96,7 @@ class Xnnpack:
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:
-        with quiet_import():
+        with quiet():
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.exir import to_edge_transform_and_lower
 
@@ -112,20 +111,20 @@ class Xnnpack:
         # partition's q and k) takes them in that dim order, and XNNPACK refuses the contiguous ones
         exported = graph.to_exported_program(dense=True)
         ranges = sizes.exported_ranges(exported, graph.gm)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
             _check_all_delegated(edge.exported_program().graph_module.graph)
             program = edge.to_executorch()
         return Artifact(self.name, bytes(program.buffer), meta, ranges=ranges, bounds=sizes.narrowest(bounds))
 
     def load(self, artifact: Artifact) -> Runner:
-        with quiet_import():
+        with quiet():
             from executorch.runtime import Runtime
 
         payload = artifact.payload
         program = Runtime.get().load_program(payload)
-        method = program.load_method("forward")
+        with native_notes_dropped("[cpuinfo_utils.cpp:"):  # its CPU probe, on the first method loaded
+            method = program.load_method("forward")
         # ExecuTorch crashes the process on a wrong input count; refuse such a program here
         takes = method.metadata.num_inputs()
         if takes != artifact.meta["n_inputs"]:
