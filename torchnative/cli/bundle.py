@@ -62,6 +62,7 @@ def _progress():
 def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, bytes], path: Path,
              seconds: float, diffs: dict[str, float]):
     from rich.table import Table
+    from rich.text import Text
 
     from torchnative.bundle.build import CompiledMethod
 
@@ -85,14 +86,14 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     for name, data in files.items():
         sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
     graphs = ", ".join(f"{name} {len(m.trace.calls)}" for name, m in methods.items())
-    table = Table(title=f"bundle {path}: graphs per method: {graphs}; {seconds:.1f} s")
-    for col in ("delegate", "partitions", "ops", "coverage", "compile s", "artifact KiB", "worst gap"):
+    table = Table(title=f"graphs per method: {graphs}; {seconds:.1f} s")
+    for col in ("delegate", "partitions", "ops", "coverage", "build s", "KiB", "worst gap"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
     for d, c in sorted(per.items(), key=lambda kv: -kv[1]["ops"]):
         table.add_row(d, str(c["partitions"]), str(c["ops"]), f"{100 * c['ops'] / total_ops:.0f}%",
                       f"{c['seconds']:.2f}", f"{sizes.get(d.split(' ')[0], 0) / 1024:.0f}",
                       f"{c['gap']:.1e}" if "gap" in c else "-")
-    rows = [table]
+    rows = [Text(f"bundle {path}"), table]
     other = Table(title="also in the bundle")
     other.add_column("what")
     other.add_column("detail")
@@ -163,7 +164,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
     from torchnative.bundle.build import compile_call, compile_generation, generates
     from torchnative.bundle.dynamic import parse as parse_dynamic
     from torchnative.bundle.save import save
-    from torchnative.inspector.report import console
+    from torchnative.inspector.report import console, show
 
     started = time.perf_counter()
     fallbacks: list = []
@@ -211,8 +212,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
         checking = progress.add_task("loading the bundle back and checking it against eager", total=1)
         diffs = _generate_check(net, load(path), result) if generate else _forward_check(load(path), result)
         progress.update(checking, advance=1)
-    for item in _summary(result, fallbacks, pinned, files, path, time.perf_counter() - started, diffs):
-        con.print(item)
+    show(con, _summary(result, fallbacks, pinned, files, path, time.perf_counter() - started, diffs))
     if generate:
         click.echo(f"run it: torchnative run {path} --generate 32")
     else:
@@ -298,7 +298,7 @@ def _call(loaded, bundle: str, inputs: tuple[str, ...], name: str | None, save_t
     import numpy as np
     from rich.table import Table
 
-    from torchnative.inspector.report import console
+    from torchnative.inspector.report import console, show
 
     if name is None and len(loaded.methods) > 1:
         raise click.UsageError(f"{bundle} has methods {sorted(loaded.methods)}: choose one with --method"
@@ -322,7 +322,7 @@ def _call(loaded, bundle: str, inputs: tuple[str, ...], name: str | None, save_t
         f = v.double()
         table.add_row(n, str(v.dtype).removeprefix("torch."), str(list(v.shape)), f"{f.mean():.4g}",
                       f"{f.std():.4g}" if v.numel() > 1 else "-", f"{f.min():.4g}", f"{f.max():.4g}")
-    console().print(table)
+    show(console(), [table])
     if save_to:
         np.savez(save_to, **{n: v.numpy() for n, v in outputs.items()})
         click.echo(f"outputs written to {save_to}")

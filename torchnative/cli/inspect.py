@@ -14,7 +14,7 @@ def inspect(path: str, html: str | None, trace: str | None) -> int:
     """Report on a profile (time per delegate, fallbacks, graph breaks) or a bundle (its partitions)."""
     from torchnative.inspector.html import write_html
     from torchnative.inspector.profile import Profile, ProfileError
-    from torchnative.inspector.report import console, tables
+    from torchnative.inspector.report import console, show, tables
 
     if Path(path).is_dir() or path.endswith(".zip"):
         return _bundle(path)
@@ -23,9 +23,7 @@ def inspect(path: str, html: str | None, trace: str | None) -> int:
     except ProfileError as e:
         click.echo(f"torchnative inspect: {e}", err=True)
         return 2
-    con = console()
-    for item in tables(prof):
-        con.print(item)
+    show(console(), tables(prof))
     if html:
         click.echo(f"HTML report: {write_html(prof, html)}")
     if trace:
@@ -37,14 +35,12 @@ def inspect(path: str, html: str | None, trace: str | None) -> int:
 def _bundle(path: str) -> int:
     from torchnative.bundle import BundleError
     from torchnative.inspector.bundle_report import bundle_tables
-    from torchnative.inspector.report import console
+    from torchnative.inspector.report import console, show
 
     try:
         items = list(bundle_tables(path))
     except BundleError as e:
         click.echo(f"torchnative inspect: {e}", err=True)
         return 2
-    con = console()
-    for item in items:
-        con.print(item)
+    show(console(), items)
     return 0

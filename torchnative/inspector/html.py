@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torchnative.inspector.report import console, tables
+from torchnative.inspector.report import console, show, tables
 
 if TYPE_CHECKING:
     from torchnative.inspector.profile import Profile
@@ -64,8 +64,7 @@ def render_html(prof: "Profile") -> str:
     times, coverage = prof.delegate_times(), prof.coverage()
     colors = _color(list(times))
     con = console(160, record=True, file=io.StringIO())
-    for item in tables(prof):
-        con.print(item)
+    show(con, tables(prof))
     body = con.export_html(inline_styles=True, code_format="{code}")
     return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>torchnative profile</title>"
             "<style>body{font-family:sans-serif;margin:24px;max-width:1200px}figure{margin:16px 0}"

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import io
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -25,8 +26,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
+def _partition(p: dict) -> str:
+    return f"{p['graph'][:8]}#{p['index']}"
+
+
 def _table(title: str, *columns: str) -> Table:
-    t = Table(title=title, title_justify="left", title_style="bold")
+    # no vertical rules: two columns less of borders in 80
+    t = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD)
     for c in columns:
         t.add_column(c, overflow="fold")
     return t
@@ -48,14 +54,18 @@ def tables(prof: "Profile") -> Iterator[Table | Text]:
                   "-" if ops is None else f"{ops / total_ops:.1%}")
     yield t
 
-    t = _table("Top partitions by time", "partition", "delegate", "ops", "runs", "total ms", "p50 ms", "p95 ms",
-               "compile s", "artifact KiB", "gap to eager", "source lines (ops)")
-    for p in prof.top_partitions():
-        src = ", ".join(f"{short_path(f, line)} ({k})" for f, line, k in p["sources"][:2])
-        more = len(p["sources"]) - 2
-        t.add_row(p["id"], p["delegate"], str(p["n_ops"]), str(p["runs"]), _ms(p["total_s"]), _ms(p["p50_s"]),
-                  _ms(p["p95_s"]), f"{p['compile_s']:.2f}", f"{p['artifact_bytes'] / 1024:.0f}",
-                  p.get("gap", ""), src + (f" and {more} more" if more > 0 else ""))
+    top = prof.top_partitions()
+    # build time and artifact size: the table of programs built
+    t = _table("Top partitions by time", "partition", "delegate", "ops", "runs", "ms", "p50/p95 ms", "gap to eager")
+    for p in top:
+        t.add_row(_partition(p), p["delegate"], str(p["n_ops"]), str(p["runs"]), _ms(p["total_s"]),
+                  f"{_ms(p['p50_s'])}/{_ms(p['p95_s'])}", p.get("gap", ""))
+    yield t
+    t = _table("Where their ops come from", "partition", "source lines (ops)")
+    for p in top:
+        src = ", ".join(f"{short_path(f, line)} ({k})" for f, line, k in p["sources"][:3])
+        more = len(p["sources"]) - 3
+        t.add_row(_partition(p), src + (f" and {more} more" if more > 0 else ""))
     yield t
 
     if d["declined"]:
@@ -92,13 +102,22 @@ def tables(prof: "Profile") -> Iterator[Table | Text]:
         yield t
 
 
-def console(width: int = 140, **kwargs) -> Console:
+def console(width: int | None = None, **kwargs) -> Console:
+    """`width` columns wide, else the terminal's (rich reads COLUMNS, else takes 80 off a terminal)."""
     return Console(width=width, **kwargs)
+
+
+def show(con: Console, items: Iterable[Table | Text]) -> None:
+    """Each table under its title, the title a line of its own: rich wraps a title inside its
+    table's width, mid-phrase when the table is narrower."""
+    for item in items:
+        if isinstance(item, Table) and item.title:
+            con.print(Text(str(item.title), style="bold"))
+            item.title = None
+        con.print(item)
 
 
 def render_text(prof: "Profile", width: int = 140) -> str:
     out = io.StringIO()
-    con = console(width, file=out, color_system=None, highlight=False)
-    for item in tables(prof):
-        con.print(item)
+    show(console(width, file=out, color_system=None, highlight=False), tables(prof))
     return out.getvalue()
