@@ -4,6 +4,7 @@ toolchain (executorch alone takes seconds, and prints torchao's notes)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -79,10 +80,105 @@ def test_help_prints_nothing_on_stderr():
 @pytest.mark.skipif(REGISTRY["xnnpack"].available().status != "executes", reason="executorch is not installed")
 def test_importing_executorch_prints_nothing():
     # the first xnnpack node asked about imports executorch, and with it torchao
-    done, _ = _python("-c", "import logging; from torchnative import quiet; from torchnative.delegates import xnnpack; xnnpack._targets(); "
-                            "print([logging.getLogger(n).filters for n in quiet._IMPORT_NOTES])")
+    done, _ = _python("-c", "from torchnative.delegates import xnnpack; xnnpack._targets()")
     assert done.returncode == 0, done.stderr
-    assert (done.stdout, done.stderr) == ("[[], []]\n", "")
+    assert (done.stdout, done.stderr) == ("", "")
+
+
+# a model's config whose token ids are in its vocabulary: transformers rightly warns of one that is not
+_MODEL = ("import transformers as T\n"
+          "m = T.GPT2LMHeadModel(T.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, bos_token_id=0, "
+          "eos_token_id=0)).eval()\n")
+_FIRST_CALLS = ("a = torchnative.accelerate(m, delegates=[{!r}], background=False, compile_after=1)\n"
+                "x = torch.randint(0, 100, (1, 8))\n"
+                "with torch.no_grad():\n    [a(x) for _ in range(3)]\n"
+                "assert torchnative.stats()['graphs_built'] > 0\n")
+
+
+def _executes(name: str):
+    return pytest.mark.skipif(REGISTRY[name].available().status != "executes", reason=f"{name} does not execute here")
+
+
+# each path a user takes, in a fresh process: only the user's and torchnative's output
+_PATHS = {
+    "torchnative, then a transformers model": "import torchnative, torch\n" + _MODEL,
+    "transformers first, then torchnative": "import transformers, torchnative, torch\n" + _MODEL,
+    "first accelerate calls on ort": "import torchnative, torch\n" + _MODEL + _FIRST_CALLS.format("ort"),
+    "first accelerate calls on xnnpack": pytest.param("import torchnative, torch\n" + _MODEL
+                                                      + _FIRST_CALLS.format("xnnpack"), marks=_executes("xnnpack")),
+    "first accelerate calls on qnn": pytest.param("import torchnative, torch\n" + _MODEL + _FIRST_CALLS.format("qnn"),
+                                                  marks=[_executes("qnn"), pytest.mark.slow]),
+    "first accelerate calls on coreml": pytest.param("import torchnative, torch\n" + _MODEL
+                                                     + _FIRST_CALLS.format("coreml").replace("assert", "# compile-only:"),
+                                                     marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("code", list(_PATHS.values()), ids=list(_PATHS))
+def test_a_users_path_prints_no_dependency_notes(code, tmp_path):
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHNATIVE_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == ""
+
+
+def test_the_cli_prints_only_its_own_progress_and_tables(tmp_path):
+    env = {**os.environ, "TORCHNATIVE_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "80"}
+    bundle = tmp_path / "gpt2.bundle"
+    made = subprocess.run([sys.executable, "-m", "torchnative.cli", "capture-and-compile", "--out", str(bundle)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert made.returncode == 0, made.stderr[-3000:]
+    # stderr: the progress, one line per task
+    tasks = re.compile(r"\s*(building|capturing|compiling graph \d+:|saving|loading the bundle back) ")
+    assert all(tasks.match(line) for line in made.stderr.splitlines() if line.strip()), made.stderr
+    ran = subprocess.run([sys.executable, "-m", "torchnative.cli", "run", str(bundle), "--generate", "4"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = ran.stderr.splitlines()  # the tokens go to stdout; what they are and how fast, to stderr
+    assert said[0] == "input_ids: a random prompt of 16 tokens" and len(said) == 2, ran.stderr
+    assert said[1].startswith("4 new tokens after a 16-token prompt"), ran.stderr
+    shown = subprocess.run([sys.executable, "-m", "torchnative.cli", "inspect", str(bundle)],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert shown.returncode == 0 and shown.stderr == "", shown.stderr[-3000:]
+    # the tables fit 80 columns (a path, the user's, may not), and the summary's title is whole
+    for out in (made.stdout, shown.stdout):
+        assert max(len(line) for line in out.splitlines() if str(tmp_path) not in line) <= 80, out
+    assert re.search(r"^graphs per method: prefill \d+, decode \d+; [\d.]+ s$", made.stdout, re.M), made.stdout
+
+
+def test_what_is_not_noise_still_reaches_the_user():
+    """A compile (in quiet()) runs on a thread beside the user's code: only its own notes are dropped."""
+    code = """
+import logging, sys, threading, warnings
+import torchnative
+from torchnative.quiet import quiet
+inside, finish = threading.Event(), threading.Event()
+def compile_like():
+    with quiet():
+        warnings.warn("toolchain warning")
+        logging.getLogger("toolchain").warning("toolchain record")
+        print("toolchain bar", file=sys.stderr)
+        inside.set()
+        finish.wait()
+t = threading.Thread(target=compile_like)
+t.start()
+inside.wait()
+warnings.warn("user warning")
+logging.getLogger("user").warning("user record")
+print("user line", file=sys.stderr)
+logging.getLogger("torchao").warning("torchao: a real problem")
+finish.set()
+t.join()
+warnings.warn("user warning after")
+logging.getLogger("toolchain").warning("toolchain record outside quiet()")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for kept in ("user warning", "user record", "user line", "torchao: a real problem", "user warning after",
+                 "toolchain record outside quiet()"):
+        assert kept in done.stderr, (kept, done.stderr)
+    assert "toolchain warning" not in done.stderr and "toolchain bar" not in done.stderr
+    assert "toolchain record\n" not in done.stderr
 
 
 _ACCELERATE = ("m = torchnative.accelerate(torch.nn.Linear(4, 4), delegates=['ort'])\n"
