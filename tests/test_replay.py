@@ -364,3 +364,52 @@ def test_module_setattr_is_wrapped_only_while_a_model_is_watched():
     gc.collect()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_a_submodules_hook_runs_on_every_call(kind):
+    """A hook inside the forward (ActMAD's statistics, a feature extractor's list) is Python a
+    replay would skip: such a call is recorded every time, and says why."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+    seen = []
+    if kind == "forward":
+        handle = model[1].register_forward_hook(lambda m, i, o: seen.append(o.sum().item()))
+    else:
+        handle = model[1].register_forward_pre_hook(lambda m, i: seen.append(i[0].sum().item()))
+    torchnative.accelerate(model, delegates=["eager"])
+    torchnative.reset_stats()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(6):
+            model(x)
+    assert len(seen) == 6 and len(set(seen)) == 1
+    stats = torchnative.stats()
+    assert stats["replays"] == 0
+    assert any("a hook on submodule '1'" in why for why in stats["replay_ineligible"]), stats["replay_ineligible"]
+    handle.remove()  # gone: the calls replay again
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+    assert torchnative.stats()["replays"] >= 1
+
+
+def test_transformers_own_output_hooks_do_not_stop_replay():
+    """`output_hidden_states=True` leaves transformers' capturing hooks on the layers; their
+    effect reaches the caller through the call's output, which a replay rebuilds."""
+    model = models.transformers_model("GPT2LMHeadModel", "tiny")
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 1000, (1, 8))
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.modules())
+    torchnative.accelerate(model, delegates=["eager"])
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for _ in range(4):
+            out = model(ids, output_hidden_states=True)
+        want = ref(ids, output_hidden_states=True)
+    assert torchnative.stats()["replays"] >= 1
+    assert_same(out.logits, want.logits)
+    for got, expected in zip(out.hidden_states, want.hidden_states, strict=True):
+        assert_same(got, expected)

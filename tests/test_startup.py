@@ -101,11 +101,12 @@ def _executes(name: str):
 
 # each path a user takes, in a fresh process: only the user's and torchnative's output
 _PATHS = {
-    "torchnative, then a transformers model": "import torchnative, torch\n" + _MODEL,
     "transformers first, then torchnative": "import transformers, torchnative, torch\n" + _MODEL,
+    # torchnative first, then a transformers model, then its first calls
     "first accelerate calls on ort": "import torchnative, torch\n" + _MODEL + _FIRST_CALLS.format("ort"),
     "first accelerate calls on xnnpack": pytest.param("import torchnative, torch\n" + _MODEL
-                                                      + _FIRST_CALLS.format("xnnpack"), marks=_executes("xnnpack")),
+                                                      + _FIRST_CALLS.format("xnnpack"),
+                                                      marks=[_executes("xnnpack"), pytest.mark.slow]),
     "first accelerate calls on qnn": pytest.param("import torchnative, torch\n" + _MODEL + _FIRST_CALLS.format("qnn"),
                                                   marks=[_executes("qnn"), pytest.mark.slow]),
     "first accelerate calls on coreml": pytest.param("import torchnative, torch\n" + _MODEL

@@ -21,7 +21,7 @@ from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
-from torchnative.replay.watch import watch
+from torchnative.replay.watch import foreign_hook, watch
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import current_handler
 
@@ -68,15 +68,19 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        replayed, out = replayer.replay(key, leaves)
-        if replayed:
-            return out
+        hooked = foreign_hook(self.model)
+        if hooked is None:
+            replayed, out = replayer.replay(key, leaves)
+            if replayed:
+                return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
         before = dict(replayer.snapshots)
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
+        if hooked is not None:
+            tracer.refuse(f"{hooked}: Python a replay would skip")
         if key is None:
             tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
         elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):

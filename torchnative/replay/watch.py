@@ -77,6 +77,30 @@ def module_changes() -> int:
     return _changes
 
 
+# hooks whose effects reach the caller only through the call's output, which a replay rebuilds:
+# transformers' capture of hidden states and attentions (`output_hidden_states=True`)
+_OF_THE_CALL = ("transformers.",)
+_KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _foreign(hooks: dict) -> bool:
+    return any(not getattr(getattr(h, "func", h), "__module__", "").startswith(_OF_THE_CALL) for h in hooks.values())
+
+
+def foreign_hook(model: torch.nn.Module) -> str | None:
+    """Where a hook runs inside `model`'s forward that a replay would skip (ActMAD's statistics,
+    a feature extractor's list), or None. The model's own hooks run around the forward a replay
+    replaces, so they run either way."""
+    g = torch.nn.modules.module
+    if any(_foreign(getattr(g, f"_global{kind}")) for kind in _KINDS):
+        return "a global module hook (torch.nn.modules.module.register_module_*_hook)"
+    for m in model.modules():
+        if m is not model and any(_foreign(getattr(m, kind)) for kind in _KINDS):
+            name = next(n for n, x in model.named_modules() if x is m)
+            return f"a hook on submodule {name!r}"
+    return None
+
+
 def watching() -> bool:
     """Is Module.__setattr__ wrapped (some module is watched)?"""
     return bool(_hooks)
