@@ -4,6 +4,7 @@ partitioner plans and lowering compiles each partition (`build.lower` → `Lower
 loading makes runners (`build.runners` → steps), and `Program` assembles them."""
 from __future__ import annotations
 
+import functools
 import time
 from typing import Sequence
 
@@ -22,6 +23,7 @@ from torchnative.build import verify as verification
 from torchnative.build import disk_cache
 from torchnative.build.verify import Verdict, check, declined, reference, tolerance_of
 from torchnative.sizes import narrowest
+from torchnative.build.differentiable import Differentiable
 
 
 def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
@@ -44,6 +46,7 @@ def build_program(captured: CapturedGraph, delegates: Sequence[Delegate], inputs
     program = Program(captured, graph, steps, derived.tensors, sorted(_baked(graph, steps) | derived.sources),
                       inputs, lowered.declined, _ranges(lowered, "ranges"), _ranges(lowered, "bounds"))
     program.verify_s = verify_s
+    program.make_differentiable = functools.partial(Differentiable, captured, tuple(delegates), build_program)
     events.emit(events.ProgramBuilt(program, time.perf_counter() - started))
     return program
 

@@ -113,6 +113,8 @@ class Program:
         program per bucket, sizes.bucket), which `valid_for` checks."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
         self.verify_s = 0.0  # seconds the build spent checking its partitions against eager
+        self._differentiable = None  # build/differentiable.py's form, made at the first replay autograd records
+        self.make_differentiable: Callable | None = None  # how to make it (set by the pipeline)
         self.ranges = ranges or {}
         self.bounds = narrowest(self.ranges, bounds or {})
         sources = symbol_sources(captured.placeholders())
@@ -209,6 +211,15 @@ class Program:
                                                 time.perf_counter() - started))
             values += outs
         return [values[k] for k in self._results]
+
+    def differentiable(self, inputs: list[torch.Tensor], submit: Callable | None = None) -> list[torch.Tensor] | None:
+        """The captured graph on `inputs` with autograd's backward (build/differentiable.py): what a
+        replayed call that autograd records runs; None while `submit` makes it off the call."""
+        if self._differentiable is None:
+            if self.make_differentiable is None:
+                raise RuntimeError("this program was not built by the pipeline: it has no differentiable form")
+            self._differentiable = self.make_differentiable()
+        return self._differentiable(inputs, submit)
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.extra:

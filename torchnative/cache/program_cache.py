@@ -14,7 +14,7 @@ import threading
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -113,6 +113,12 @@ class _Switch:
 
 
 _switch = _Switch()
+
+
+def background(enabled: bool | None = None) -> Callable[..., Future] | None:
+    """What submits a build off the call: None when compiles run in the call (`enabled` False,
+    or None and the process's default, BACKGROUND, is off)."""
+    return _switch.submit if (BACKGROUND if enabled is None else enabled) else None
 
 
 class Found(NamedTuple):
@@ -394,6 +400,9 @@ def program_for(graph: Recorded, delegates: tuple[Delegate, ...], inputs: list[t
 def wait_for_compiles() -> None:
     """Block until every background compile has finished (its program is taken at the next call)."""
     CACHE.wait()
+    # and the jobs given the compile thread without the cache (build/differentiable.py's): it runs
+    # them in order, so a job given now finishes after them
+    _background.submit(lambda: None).result()
 
 
 def programs() -> list[Program]:

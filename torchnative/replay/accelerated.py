@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.cache import calibration as _calibration
+from torchnative.cache.program_cache import background
 from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
@@ -90,7 +91,7 @@ class AcceleratedForward:
 
     def _replay_state(self) -> Replayer:
         if self._replayer is None:  # buffers are weights too, unless a graph writes them
-            self._replayer = Replayer(frozenset(id(b) for b in self.model.buffers()))
+            self._replayer = Replayer(frozenset(id(b) for b in self.model.buffers()), background(self.settings.background))
         return self._replayer
 
     def __reduce__(self):

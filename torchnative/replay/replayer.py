@@ -12,7 +12,7 @@ into the tensors an argument object reaches, as the recording did.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,8 +40,9 @@ _KEEP = 1024
 class Replayer:
     """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
 
-    def __init__(self, weights: frozenset[int]):
-        self.weights = weights
+    def __init__(self, weights: frozenset[int], submit: Callable | None = None):
+        """`submit`: builds off the call (program_cache.background), for the backward of replays autograd records."""
+        self.weights, self.submit = weights, submit
         self.entries = Lru(_KEEP, "traces")  # guard key -> _Entry
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
         self.last: _Entry | None = None  # the entry of the last call recorded
@@ -53,7 +54,7 @@ class Replayer:
         entry = self.entries.get(key)
         if entry is None or (entry.seen < 2 and entry.run < 2):
             return False, None
-        out = run(entry.trace, leaves, self.snapshots)
+        out = run(entry.trace, leaves, self.snapshots, self.submit)
         if type(out) is Miss:
             events.STATS.replay_misses += 1
             events.emit(events.ReplayOutcome("miss"))

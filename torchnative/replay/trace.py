@@ -56,6 +56,9 @@ class GraphCall:
     # the program is eager's, run until the graph's compile repays (cache.program_cache's cost
     # rule): the key its runs' seconds count under
     timed: tuple | None = None
+    # autograd recorded the call (grad on, an input that requires grad): the replay runs the
+    # program's differentiable form, whose outputs carry the graph's backward
+    differentiable: bool = False
 
     def __post_init__(self) -> None:
         # most inputs are weights ("const"): filled in once, not resolved on every call
@@ -127,11 +130,12 @@ class Miss(NamedTuple):
     got: Any = None
 
 
-def run(trace: Trace, leaves: list, snapshots: dict) -> Any:
+def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = None) -> Any:
     """The one interpreter of a trace, for a replayed call and a bundle's method alike: each
     program in order on inputs from their sources, each scalar Python read checked against the
     recorded one, then the last program's state writes (only once every guard held), the outputs
-    and what the call put into its argument objects. The call's output, or a `Miss`."""
+    and what the call put into its argument objects. The call's output, or a `Miss`. `submit`:
+    how the programs of a call autograd records build their backward (build/differentiable.py)."""
     if trace.module_changes is not None and trace.module_changes != module_changes():
         return Miss(None)
     produced: list[list] = []
@@ -139,7 +143,11 @@ def run(trace: Trace, leaves: list, snapshots: dict) -> Any:
         inputs = call.inputs(leaves, produced, snapshots)
         if not call.valid_for(inputs):
             return Miss(k)
-        if call.timed is None:
+        if call.differentiable:
+            values = call.program.differentiable(inputs, submit)
+            if values is None:  # its backward is being made off the call: the call records meanwhile
+                return Miss(k)
+        elif call.timed is None:
             values = call.program(inputs)
         else:  # its seconds count towards its compile; once that repays, the call records again, to compile
             started = time.perf_counter()

@@ -106,12 +106,11 @@ class Tracer:
         for k, (program, inputs, values, roots) in enumerate(self.runs):
             if not all(isinstance(x, torch.Tensor) for x in inputs):
                 raise Ineligible("a Python float that changes between calls is an input of a graph (a replay cannot know its next value)")
-            if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-                raise Ineligible("autograd records this call")
+            grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
             writes = tuple(source(r) for r in roots)
             if any(w[0] not in ("arg", "field", "const") for w in writes):
                 raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
-            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes, self.timed[k]))
+            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes, self.timed[k], grad))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
         sets = tuple((at, source(t)) for at, t in _replaced(before, after))

@@ -1,0 +1,135 @@
+"""Replay of calls autograd records (issue 42): a training-mode forward whose parameters require
+grad replays through its program's differentiable form (build/differentiable.py), and gradients,
+parameters, BatchNorm statistics and outputs stay eager's: bit for bit on `eager`, within float32
+rounding on `ort`, whose partitions then run the forward and the backward."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torchnative
+from tests.conftest import assert_same
+from torchnative.cache.program_cache import clear_caches, programs
+
+STEPS = 8
+
+
+def _tol(delegate: str) -> dict:
+    return dict(rtol=0, atol=0) if delegate == "eager" else dict(rtol=1e-4, atol=1e-5)
+
+
+def _resnet() -> torch.nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                     layer_type="basic", num_labels=5))
+
+
+def _adapting(model: torch.nn.Module):
+    """TENT's loss on the BatchNorm affine parameters; the running statistics updated too (train mode)."""
+    model.train().requires_grad_(False)
+    params = [p for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in (m.weight, m.bias)]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+
+    def step(x):
+        logits = model(pixel_values=x).logits
+        (-(logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()).backward()
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        return logits, grads
+    return step
+
+
+def _differentiated() -> list:
+    return [p._differentiable for p in programs() if p._differentiable is not None]
+
+
+@pytest.mark.parametrize("delegate,background", [("eager", False), ("ort", False), ("ort", True)])
+def test_training_mode_steps_replay_with_eagers_gradients(delegate, background):
+    clear_caches()
+    proto = _resnet()
+    eager_model, accelerated = copy.deepcopy(proto), torchnative.accelerate(
+        copy.deepcopy(proto), delegates=[delegate], compile_after=1, background=background)
+    eager, adapted = _adapting(eager_model), _adapting(accelerated)
+    torchnative.reset_stats()
+    for i in range(STEPS):
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(i % 3))
+        assert_same(adapted(x), eager(x), **_tol(delegate))
+        if i < 5:  # the forward's program in place (rebuilt with the weights the steps write as inputs),
+            torchnative.wait_for_compiles()  # then its differentiable form, made off the calls
+    assert_same(dict(accelerated.state_dict()), dict(eager_model.state_dict()), **_tol(delegate))
+    stats = torchnative.stats()
+    assert stats["replays"] >= STEPS - 5, dict(stats["replay_ineligible"])
+    assert _differentiated(), "no program ran its differentiable form"
+    if delegate == "ort":  # its forward and backward built for ort, partitions on it
+        built = [p for d in _differentiated() for p in d.programs()]
+        assert len(built) >= 2 and any(dl == "ort" for p in built for dl, _ in p.partitions)
+
+
+class _TwoGraphs(torch.nn.Module):
+    """A data read between two layers: two graphs, the second fed the first's output."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        if h.sum() > -100:  # Python reads a value: the graph is cut here
+            h = h * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_gradients_flow_through_a_chain_of_graphs_to_inputs_and_weights(delegate):
+    eager, accelerated = _TwoGraphs(), torchnative.accelerate(_TwoGraphs(), delegates=[delegate], compile_after=1,
+                                                              background=False)
+    torchnative.reset_stats()
+    for i in range(6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i % 2)).requires_grad_(True)
+        xe = x.detach().clone().requires_grad_(True)
+        got = torch.autograd.grad(accelerated(x).square().sum(), [x, *accelerated.parameters()])
+        want = torch.autograd.grad(eager(xe).square().sum(), [xe, *eager.parameters()])
+        assert_same(list(got), list(want), **_tol(delegate))
+    assert torchnative.stats()["replays"] >= 3
+
+
+def test_inference_with_grad_on_replays_and_keeps_its_grad_fn():
+    """A user who forgot torch.no_grad(): eager's outputs carry a grad_fn, and so do the replays'."""
+    model = _TwoGraphs()
+    ref = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["eager"])
+    torchnative.reset_stats()
+    x = torch.randn(4, 6)
+    for _ in range(5):
+        out = model(x)
+        assert out.grad_fn is not None
+        assert_same(out, ref(x), rtol=0, atol=0)
+    assert torchnative.stats()["replays"] >= 2
+
+
+def test_a_graph_without_a_backward_goes_on_recording_and_says_why(monkeypatch):
+    """Where AOTAutograd cannot make the backward (an op it cannot differentiate), the calls are
+    recorded as before, with eager's gradients, and the reason is a fallback in stats()."""
+    from torchnative.build import differentiable
+
+    def cannot(self, examples):
+        raise NotImplementedError("the derivative for 'some_op' is not implemented")
+    monkeypatch.setattr(differentiable.Differentiable, "_prepare", cannot)
+    clear_caches()
+    eager, accelerated = _TwoGraphs(), torchnative.accelerate(_TwoGraphs(), delegates=["eager"], background=False)
+    torchnative.reset_stats()
+    for i in range(5):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+        got = torch.autograd.grad(accelerated(x).sum(), list(accelerated.parameters()))
+        want = torch.autograd.grad(eager(x).sum(), list(eager.parameters()))
+        assert_same(list(got), list(want), rtol=0, atol=0)
+    stats = torchnative.stats()
+    assert stats["replays"] == 0
+    assert any("no backward for its graph" in why and "some_op" in why for why in stats["fallbacks"]), stats["fallbacks"]
