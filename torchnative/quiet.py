@@ -85,8 +85,9 @@ def install() -> None:
 def _handlers() -> list[logging.Handler]:
     """Where a dependency's records end: the root's handlers (or the last resort) and those of
     loggers that keep theirs (torch's)."""
-    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(v, logging.Logger) and v.handlers)]
+    # copied in one step: another thread may make a logger while this looks at them
+    every = list(logging.Logger.manager.loggerDict.values())
+    loggers = [logging.getLogger(), *(v for v in every if isinstance(v, logging.Logger) and v.handlers)]
     return list({id(h): h for lg in loggers for h in lg.handlers}.values()) + [logging.lastResort]
 
 
