@@ -128,7 +128,155 @@ def _lora(model: torch.nn.Module) -> Callable[[], None]:
     return step
 
 
-WORKLOADS = {"tent": (_resnet50, _tent), "bn-stats": (_resnet50, _bn_stats), "lora": (_gpt2_lora, _lora)}
+# -- methods as public TTA libraries write them (issue 42): a method object around the model, the
+# model's BatchNorm layers configured at set-up, `model.eval()` in forward, momentum by keyword,
+# an EMA teacher through `.data =` ---------------------------------------------------------------
+def _resnet18() -> torch.nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(depths=[2, 2, 2, 2], layer_type="basic", num_labels=10))
+
+
+def _small_images() -> list[torch.Tensor]:
+    return [torch.randn(4, 3, 96, 96, generator=torch.Generator().manual_seed(i)) for i in range(BATCHES)]
+
+
+class Norm(torch.nn.Module):
+    """NORM (Schneider et al.): BatchNorm on the test batch's statistics, no gradient."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        for bn in _batch_norms(model):
+            bn.train()
+            bn.track_running_stats, bn.running_mean, bn.running_var = False, None, None
+
+    @torch.no_grad()
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+class Tent(torch.nn.Module):
+    """TENT (Wang et al.): entropy minimisation on the BatchNorm affine parameters, batch statistics."""
+
+    def __init__(self, model, lr: float = 1e-3):
+        super().__init__()
+        self.model = model.train().requires_grad_(False)
+        params = []
+        for bn in _batch_norms(model):
+            bn.track_running_stats, bn.running_mean, bn.running_var = False, None, None
+            params += [bn.weight.requires_grad_(True), bn.bias.requires_grad_(True)]
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def forward(self, x):
+        logits = self.model(pixel_values=x).logits
+        loss = -(logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return logits.detach()
+
+
+class DuaNorm(torch.nn.BatchNorm2d):
+    """DUA's BatchNorm: running statistics moved by the method's decaying momentum (by keyword)."""
+    momentum_now = 0.1
+
+    def forward(self, x):
+        m = self.momentum_now
+        self.running_mean.mul_(1 - m).add_(x.mean((0, 2, 3)), alpha=m)
+        self.running_var.mul_(1 - m).add_(x.var((0, 2, 3)), alpha=m)
+        return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False,
+                                              0.0, self.eps)
+
+
+class Dua(torch.nn.Module):
+    """DUA (Mirza et al.): every call decays the momentum, updates the statistics on the batch, predicts."""
+
+    def __init__(self, model, decay: float = 0.94, floor: float = 0.005):
+        super().__init__()
+        self.model, self.decay, self.floor, self.mom = model, decay, floor, 0.1
+        for bn in _batch_norms(model):
+            bn.__class__ = DuaNorm
+
+    @torch.no_grad()
+    def forward(self, x):
+        self.model.eval()
+        self.mom = max(self.mom * self.decay, self.floor)
+        for bn in _batch_norms(self.model):
+            bn.momentum_now = self.mom
+        return self.model(pixel_values=x).logits
+
+
+class ActMad(torch.nn.Module):
+    """ActMAD (Mirza et al.): every BatchNorm's output statistics pulled to the clean ones by SGD
+    on all parameters; the model in eval mode, statistics gathered by forward hooks."""
+
+    def __init__(self, model, lr: float = 1e-4):
+        super().__init__()
+        self.model = model
+        self.feats: list[torch.Tensor] = []
+        self.clean = []
+        for bn in _batch_norms(model):
+            bn.register_forward_hook(lambda m, i, o: self.feats.append(o))
+            self.clean.append((torch.zeros(bn.num_features), torch.ones(bn.num_features)))
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def forward(self, x):
+        self.model.eval()
+        self.feats.clear()
+        logits = self.model(pixel_values=x).logits
+        loss = sum(torch.nn.functional.l1_loss(f.mean((0, 2, 3)), m) + torch.nn.functional.l1_loss(f.var((0, 2, 3)), v)
+                   for f, (m, v) in zip(self.feats, self.clean))
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return logits.detach()
+
+
+class MeanTeacher(torch.nn.Module):
+    """A mean teacher (as in CoTTA/RMT): the student learns the teacher's predictions (symmetric
+    cross-entropy) on BatchNorm affine parameters; the teacher follows by EMA through `.data =`."""
+
+    def __init__(self, model, alpha: float = 0.999, lr: float = 1e-3):
+        super().__init__()
+        self.student, self.alpha = model.train(), alpha
+        self.teacher = copy.deepcopy(model)
+        self.student.requires_grad_(False)
+        params = [p for bn in _batch_norms(self.student) for p in (bn.weight, bn.bias)]
+        for p in params:
+            p.requires_grad_(True)
+        self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(pixel_values=x).logits
+        logits = self.student(pixel_values=x).logits
+        loss = -(target.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        for t_p, s_p in zip(self.teacher.parameters(), self.student.parameters()):
+            t_p.data = self.alpha * t_p.data + (1 - self.alpha) * s_p.data
+        return target
+
+
+def _library(method_class) -> Callable[[torch.nn.Module], Callable[[], torch.Tensor]]:
+    def make(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        method, images, i = method_class(model), _small_images(), 0
+
+        def step():
+            nonlocal i
+            i += 1
+            return method(images[(i - 1) % BATCHES])
+        return step
+    return make
+
+
+WORKLOADS = {"tent": (_resnet50, _tent), "bn-stats": (_resnet50, _bn_stats), "lora": (_gpt2_lora, _lora),
+             "tent-r18": (_resnet18, _library(Tent)), "norm-r18": (_resnet18, _library(Norm)),
+             "dua-r18": (_resnet18, _library(Dua)),
+             "actmad-r18": (_resnet18, _library(ActMad)), "mean-teacher-r18": (_resnet18, _library(MeanTeacher))}
+LIBRARY = [w for w in WORKLOADS if w.endswith("-r18")]
 
 
 def _dropout_off(model: torch.nn.Module) -> torch.nn.Module:
@@ -143,7 +291,8 @@ def _captured(step: Callable[[], None], delegates: list[str] | None) -> Callable
     """The whole step (forward, backward, optimizer) recorded by `capture`: one graph per step."""
     def run():
         with torchnative.capture(delegates, background=True):
-            step()
+            out = step()
+        return out  # alive when the block ends, so computed (a step returning logits nothing else reads)
     return run
 
 
@@ -172,11 +321,12 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
         except Exception as e:  # one engine that cannot run the step must not lose the others' figures
             row[f"{k}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
         time.sleep(1.0)
-    # steady state: accelerate's programs, compiled in the background, in place (a weight the
-    # first steps pinned is rebuilt once more)
+    # steady state: accelerate's programs, compiled in the background, in place (the cost rule
+    # compiles after a few runs, a weight the first steps pinned is rebuilt once more, then a
+    # replay autograd records makes its backward's programs)
     for k, step in engines.items():
         if k.startswith(("accel", "capture")):
-            for _ in range(3):
+            for _ in range(8):
                 torchnative.wait_for_compiles()
                 step()
     torchnative.wait_for_compiles()
@@ -188,6 +338,31 @@ def bench(name: str, runs: int, delegates: list[str], with_compile: bool) -> dic
     engines.clear()
     clear_caches()
     gc.collect()
+    return row
+
+
+def exactness(name: str, delegates: list[str], steps: int = 20) -> dict:
+    """`steps` steps of eager and of accelerate on fresh copies, output by output: the worst
+    relative gap, the graphs built and the calls replayed."""
+    factory, method = WORKLOADS[name]
+    proto = _dropout_off(factory())
+    eager = method(copy.deepcopy(proto))
+    row: dict = {"workload": name}
+    for d in delegates:
+        clear_caches()
+        torchnative.reset_stats()
+        accel = method(torchnative.accelerate(copy.deepcopy(proto), delegates=None if d == "default" else [d],
+                                              background=False))
+        worst = 0.0
+        for _ in range(steps):
+            want, got = eager(), accel()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+        stats = torchnative.stats()
+        row.update({f"{d}_gap": worst, f"{d}_graphs": len({p.captured.key for p in programs()}),
+                    f"{d}_built": stats["graphs_built"], f"{d}_replays": stats["replays"],
+                    f"{d}_not_replayed": "; ".join(f"{k} ({n})" for k, n in stats["replay_ineligible"].items())})
+        eager = method(copy.deepcopy(proto))  # the next delegate's eager from the start too
+    clear_caches()
     return row
 
 
@@ -214,23 +389,25 @@ def dua(steps: int = 50) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="tent,bn-stats,lora,dua")
+    p.add_argument("--workloads", default="tent,bn-stats,lora,dua," + ",".join(LIBRARY))
     p.add_argument("--runs", type=int, default=8)
     p.add_argument("--delegates", default="default", help="'default' is accelerate's default set")
     p.add_argument("--no-compile", action="store_true")
     a = p.parse_args()
     delegates = [d for d in a.delegates.split(",") if d]
-    rows, dua_rows = [], []
+    rows, dua_rows, exact_rows = [], [], []
     for w in a.workloads.split(","):
         try:
             if w == "dua":
                 dua_rows.append(dua())
             else:
+                if w in LIBRARY:
+                    exact_rows.append(exactness(w, delegates))
                 rows.append(bench(w, a.runs, delegates, not a.no_compile))
         except Exception as e:
             rows.append({"workload": w, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         print(f"  done {w}", flush=True)
-        write("tta", {"torch": torch.__version__, "rows": rows, "dua": dua_rows, "complete": False})
+        write("tta", {"torch": torch.__version__, "rows": rows, "dua": dua_rows, "exact": exact_rows, "complete": False})
     engines = ["eager", *([] if a.no_compile else ["torch.compile"]),
                *(f"{way}[{d}]" for d in delegates for way in ("accel", "capture"))]
     for r in rows:
@@ -243,7 +420,16 @@ def main() -> None:
     print(table(rows, cols))
     if dua_rows:
         print(table(dua_rows, [("workload", "{}"), ("graphs", "{}"), ("compiled_programs", "{}"), ("seconds", "{:.1f}")]))
-    print(f"written to {write('tta', {'torch': torch.__version__, 'rows': rows, 'dua': dua_rows, 'complete': True})}")
+    if exact_rows:
+        print("20 steps against eager's: worst output gap (relative), graphs, programs built, replayed calls")
+        print(table(exact_rows, [("workload", "{}")] + [(f"{d}_{k}", f) for d in delegates for k, f in
+                                                         (("gap", "{:.1e}"), ("graphs", "{}"), ("built", "{}"),
+                                                          ("replays", "{}"))]))
+        for r in exact_rows:
+            for d in delegates:
+                if r.get(f"{d}_not_replayed"):
+                    print(f"  {r['workload']} [{d}] not replayed: {r[f'{d}_not_replayed']}")
+    print(f"written to {write('tta', {'torch': torch.__version__, 'rows': rows, 'dua': dua_rows, 'exact': exact_rows, 'complete': True})}")
 
 
 if __name__ == "__main__":
