@@ -22,7 +22,7 @@ from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
-from torchnative.replay.watch import foreign_hook, watch
+from torchnative.replay.watch import foreign_hook, module_changes, watch
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import current_handler
 
@@ -47,6 +47,7 @@ class AcceleratedForward:
         self._replayer: Replayer | None = None  # made at the first call: a copy's tensors exist only then
         self._sites = FloatSites()  # the floats its calls saw at each site: its own, not another model's
         self._lock = threading.Lock()
+        self._listed: tuple[int, list] | None = None  # (module_changes(), submodules) when listed
 
     @property
     def __wrapped__(self) -> Callable:  # inspect.signature (transformers' generate asks it) sees the model's forward
@@ -69,7 +70,7 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        hooked = foreign_hook(self.model)
+        hooked = foreign_hook(self.model, self._submodules())
         if hooked is None:
             replayed, out = replayer.replay(key, leaves)
             if replayed:
@@ -88,6 +89,13 @@ class AcceleratedForward:
             tracer.refuse("the call changed the metadata of an argument tensor")
         replayer.learn(key, tracer, leaves, out, before)
         return out
+
+    def _submodules(self) -> list[torch.nn.Module]:
+        """The model's submodules, listed again only after a module attribute was set anywhere."""
+        changes = module_changes()
+        if self._listed is None or self._listed[0] != changes:
+            self._listed = (changes, [m for m in self.model.modules() if m is not self.model])
+        return self._listed[1]
 
     def _replay_state(self) -> Replayer:
         if self._replayer is None:  # buffers are weights too, unless a graph writes them

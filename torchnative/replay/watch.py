@@ -87,15 +87,17 @@ def _foreign(hooks: dict) -> bool:
     return any(not getattr(getattr(h, "func", h), "__module__", "").startswith(_OF_THE_CALL) for h in hooks.values())
 
 
-def foreign_hook(model: torch.nn.Module) -> str | None:
+def foreign_hook(model: torch.nn.Module, submodules: list[torch.nn.Module]) -> str | None:
     """Where a hook runs inside `model`'s forward that a replay would skip (ActMAD's statistics,
-    a feature extractor's list), or None. The model's own hooks run around the forward a replay
-    replaces, so they run either way."""
+    a feature extractor's list), or None; `submodules`: the model's, itself excluded (its own hooks
+    run around the forward a replay replaces, so they run either way). Every call asks: a
+    GPT-2's 163 submodules take tens of us (the list itself is kept between calls)."""
     g = torch.nn.modules.module
     if any(_foreign(getattr(g, f"_global{kind}")) for kind in _KINDS):
         return "a global module hook (torch.nn.modules.module.register_module_*_hook)"
-    for m in model.modules():
-        if m is not model and any(_foreign(getattr(m, kind)) for kind in _KINDS):
+    for m in submodules:
+        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
+                and any(_foreign(getattr(m, kind)) for kind in _KINDS):
             name = next(n for n, x in model.named_modules() if x is m)
             return f"a hook on submodule {name!r}"
     return None
