@@ -143,17 +143,16 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
         inputs = call.inputs(leaves, produced, snapshots)
         if not call.valid_for(inputs):
             return Miss(k)
+        started = time.perf_counter() if call.timed is not None else 0.0
         if call.differentiable:
             values = call.program.differentiable(inputs, submit)
             if values is None:  # its backward is being made off the call: the call records meanwhile
                 return Miss(k)
-        elif call.timed is None:
+        else:
             values = call.program(inputs)
-        else:  # its seconds count towards its compile; once that repays, the call records again, to compile
-            started = time.perf_counter()
-            values = call.program(inputs)
-            if CACHE.ran(call.timed, time.perf_counter() - started):
-                object.__setattr__(trace, "repaid", True)
+        # an eager program's seconds count towards its compile; once that repays, the call records again, to compile
+        if call.timed is not None and CACHE.ran(call.timed, time.perf_counter() - started):
+            object.__setattr__(trace, "repaid", True)
         events.STATS.graph_runs += 1
         if events.listeners:
             events.emit(events.GraphRun(call.program.graph, True, 0, call.program.partitions, True, call.program))
