@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from torchnative.sizes import SIZES, dynamic_dims, export_sized, symbolic
 from torchnative.quiet import quiet
@@ -15,6 +16,13 @@ from torchnative.quiet import quiet
 # meta a pass derives and lowering depends on (part of the key): the value's last dim repeats its
 # first half (passes.fuse.mark_halves), so a fused RoPE kernel may read that half alone
 HALVES = "repeats_halves"
+
+def module_of(g: fx.Graph) -> fx.GraphModule:
+    """A module running `g`, its Python code generated when first run or read (fx's lazy module,
+    as inductor's): passes rewrite a graph several times before anything runs it, and each
+    `recompile` of a 500-op graph costs ~25 ms."""
+    return _LazyGraphModule(torch.nn.Module(), g)
+
 
 Role = Literal["input", "param", "pinned", "state", "constant", "scalar"]
 # "scalar": a Python float passed at run time (a BatchNorm momentum that decays every call), whose
@@ -70,7 +78,7 @@ class CapturedGraph:
         pinned, other delegates)."""
         g = fx.Graph()
         g.output(g.graph_copy(self.gm.graph, {}))
-        return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), list(self.input_roles), list(self.output_roles),
+        return CapturedGraph(module_of(g), list(self.input_roles), list(self.output_roles),
                              self.constants, self.samples, self.writes)
 
     def placeholders(self) -> list[fx.Node]:

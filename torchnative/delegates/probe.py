@@ -13,7 +13,7 @@ import torch.fx as fx
 from torchnative.delegates.base import in_clean_thread
 from torchnative import store
 from torchnative.interface import YES, Delegate, Support
-from torchnative.ir import CapturedGraph, is_weight
+from torchnative.ir import CapturedGraph, is_weight, module_of
 from torchnative.quiet import quiet
 from torchnative.toolchain import fingerprint
 
@@ -67,7 +67,7 @@ def alone(node: fx.Node) -> CapturedGraph:
         first.meta = {"val": node.meta["val"][0]}
         out = first
     g.output([out])
-    return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, ["output"], constants)
+    return CapturedGraph(module_of(g), roles, ["output"], constants)
 
 
 def _quietly(trial: Callable[[CapturedGraph], None], graph: CapturedGraph) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from torchnative.ir import CapturedGraph, OutputRole, Role, is_weight
+from torchnative.ir import CapturedGraph, OutputRole, Role, is_weight, module_of
 from torchnative.partitioner.partition import Partition
 from torchnative.sizes import argument_symbols, shape_rules
 
@@ -72,7 +72,7 @@ def extract(parent: CapturedGraph, part: Partition, inputs: list[torch.Tensor], 
     out_roles: list[OutputRole] = [
         "written_back" if n in only_written_back and all(u.op == "output" for u in n.users if u not in inside) else "output"
         for n in outputs]
-    sub = CapturedGraph(fx.GraphModule(torch.nn.Module(), g), roles, out_roles, constants)
+    sub = CapturedGraph(module_of(g), roles, out_roles, constants)
     if samples is not None:
         sub.samples = [[seen[i] for i in reads] for seen in samples]
     return Subgraph(sub, reads, outputs)

@@ -12,13 +12,12 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from torchnative import events
 from torchnative.recording.meta import meta_tensor
 from torchnative.sizes import Flat, meta_ints
-from torchnative.ir import CapturedGraph, Role
+from torchnative.ir import CapturedGraph, Role, module_of
 
 INPUT = "input"
 
@@ -234,6 +233,6 @@ def build_graph(node: TrieNode, sig: Signature, made: list | None = None) -> Cap
     outs = [env[s] for s in sig.outputs] + [env[s] for _, s in sig.state]
     g.output(outs)
     g.eliminate_dead_code()
-    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm = module_of(g)
     out_roles = ["output"] * len(sig.outputs) + ["state_update"] * len(sig.state)
     return CapturedGraph(gm, roles, out_roles, writes=tuple(position[s] for s, _ in sig.state))
