@@ -137,8 +137,24 @@ def _resnet18() -> torch.nn.Module:
     return ResNetForImageClassification(ResNetConfig(depths=[2, 2, 2, 2], layer_type="basic", num_labels=10))
 
 
-def _small_images() -> list[torch.Tensor]:
-    return [torch.randn(4, 3, 96, 96, generator=torch.Generator().manual_seed(i)) for i in range(BATCHES)]
+def _rtdetr() -> torch.nn.Module:
+    """RT-DETR from a small config (2.1 M parameters): a ResNet backbone (its BatchNorms frozen, as
+    transformers makes them), a hybrid encoder with BatchNorms, deformable attention in the decoder."""
+    from transformers import RTDetrConfig, RTDetrForObjectDetection, RTDetrResNetConfig
+    torch.manual_seed(0)
+    backbone = RTDetrResNetConfig(depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedding_size=32,
+                                  layer_type="basic", out_features=["stage2", "stage3", "stage4"])
+    return RTDetrForObjectDetection(RTDetrConfig(
+        backbone_config=backbone, d_model=64, encoder_hidden_dim=64, encoder_in_channels=[64, 128, 256],
+        encoder_ffn_dim=128, decoder_ffn_dim=128, num_queries=30, decoder_layers=2, encoder_layers=1,
+        num_labels=10, decoder_in_channels=[64, 64, 64], encoder_attention_heads=4, decoder_attention_heads=4,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+
+def _small_images(model: torch.nn.Module) -> list[torch.Tensor]:
+    # RT-DETR's three feature levels need a side a multiple of 32; ResNet-18 takes 96x96
+    side, batch = (128, 2) if type(model).__name__.startswith("RTDetr") else (96, 4)
+    return [torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(i)) for i in range(BATCHES)]
 
 
 class Norm(torch.nn.Module):
@@ -170,7 +186,7 @@ class Tent(torch.nn.Module):
 
     def forward(self, x):
         logits = self.model(pixel_values=x).logits
-        loss = -(logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+        loss = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -251,7 +267,7 @@ class MeanTeacher(torch.nn.Module):
         with torch.no_grad():
             target = self.teacher(pixel_values=x).logits
         logits = self.student(pixel_values=x).logits
-        loss = -(target.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+        loss = -(target.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
@@ -262,7 +278,7 @@ class MeanTeacher(torch.nn.Module):
 
 def _library(method_class) -> Callable[[torch.nn.Module], Callable[[], torch.Tensor]]:
     def make(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
-        method, images, i = method_class(model), _small_images(), 0
+        method, images, i = method_class(model), _small_images(model), 0
 
         def step():
             nonlocal i
@@ -275,8 +291,10 @@ def _library(method_class) -> Callable[[torch.nn.Module], Callable[[], torch.Ten
 WORKLOADS = {"tent": (_resnet50, _tent), "bn-stats": (_resnet50, _bn_stats), "lora": (_gpt2_lora, _lora),
              "tent-r18": (_resnet18, _library(Tent)), "norm-r18": (_resnet18, _library(Norm)),
              "dua-r18": (_resnet18, _library(Dua)),
-             "actmad-r18": (_resnet18, _library(ActMad)), "mean-teacher-r18": (_resnet18, _library(MeanTeacher))}
-LIBRARY = [w for w in WORKLOADS if w.endswith("-r18")]
+             "actmad-r18": (_resnet18, _library(ActMad)), "mean-teacher-r18": (_resnet18, _library(MeanTeacher)),
+             "norm-detr": (_rtdetr, _library(Norm)), "dua-detr": (_rtdetr, _library(Dua)),
+             "actmad-detr": (_rtdetr, _library(ActMad)), "mean-teacher-detr": (_rtdetr, _library(MeanTeacher))}
+LIBRARY = [w for w in WORKLOADS if w.endswith(("-r18", "-detr"))]
 
 
 def _dropout_off(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,7 +1,9 @@
 """Replay of a forward proven stable (replay/replayer.py): outputs stay eager's when the guards
 hold, and a call is recorded again whenever Python might have done something different."""
 import copy
+import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -413,3 +415,53 @@ def test_transformers_own_output_hooks_do_not_stop_replay():
     assert_same(out.logits, want.logits)
     for got, expected in zip(out.hidden_states, want.hidden_states, strict=True):
         assert_same(got, expected)
+
+
+_TABLE_STEP = [0]
+
+
+class Tables(torch.nn.Module):
+    """Tensors a graph reads that are neither arguments nor weights: a table a method's
+    lru_cache keeps (RT-DETR's position embeddings), shape entries written as Python ints
+    (RT-DETR's `spatial_shapes[i, 0] = height`), and, per `fresh`, one made anew each call from
+    numpy or from a global counter."""
+
+    def __init__(self, fresh: str | None = None):
+        super().__init__()
+        self.lin, self.fresh = torch.nn.Linear(8, 8), fresh
+
+    @functools.lru_cache(maxsize=4)
+    def table(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.float32)[:, None] * torch.linspace(0, 1, 8) / n
+
+    def forward(self, x):
+        shapes = torch.empty(2, dtype=torch.long)
+        shapes[0], shapes[1] = x.shape[0], x.shape[1]  # 0-dim tensors torch makes of Python ints
+        y = self.lin(x) + self.table(x.shape[0]) + shapes.sum()
+        if self.fresh == "numpy":
+            y = y + torch.from_numpy(np.random.default_rng(_TABLE_STEP[0]).random(8, dtype=np.float32))
+        elif self.fresh == "counter":
+            step = torch.zeros(2)
+            step[0] = _TABLE_STEP[0]
+            y = y * step.sum()
+        _TABLE_STEP[0] += 1
+        return y
+
+
+@pytest.mark.parametrize("delegates", DELEGATES, ids=lambda d: d[0])
+@pytest.mark.parametrize("fresh", [None, "numpy", "counter"])
+def test_tables_python_keeps_or_makes_are_read_as_eager_reads_them(fresh, delegates):
+    eager, accel = Tables(fresh), Tables(fresh)
+    accel.load_state_dict(eager.state_dict())
+    torchnative.accelerate(accel, delegates=delegates, compile_after=1)
+    torchnative.reset_stats()
+    xs = [torch.randn(6, 8) for _ in range(6)]
+    with torch.no_grad():
+        for x in xs:
+            start = _TABLE_STEP[0]
+            want = eager(x)
+            _TABLE_STEP[0] = start  # the same step for both
+            assert_same(accel(x), want, rtol=1e-5, atol=1e-6)
+    s = torchnative.stats()
+    # a table Python keeps replays; one it makes anew each call never does (a replay would reuse it)
+    assert (s["replays"] > 0) == (fresh is None), s

@@ -42,13 +42,14 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
         return real(snapshots[src[1]].tensors[src[2]])
     if kind == "view":
         return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
-    return src[1]  # "const", "py"
+    return src[1]  # "const", "lit", "py"
 
 
 @dataclass(frozen=True)
 class GraphCall:
     program: Any                  # build.program.Program
     sources: tuple                # per input: ("arg", i) | ("out", step, j) | ("const", tensor)
+                                  # | ("lit", 0-dim tensor): a Python number, the same in calls that replay
                                   # | ("field", i, k): the k-th tensor argument object i holds
                                   # | ("view", source, shape, stride, offset): an alias of a source
     reads: tuple                  # ((j, value), ...): Python read output j as this scalar
@@ -62,8 +63,9 @@ class GraphCall:
 
     def __post_init__(self) -> None:
         # most inputs are weights ("const"): filled in once, not resolved on every call
-        object.__setattr__(self, "_template", [s[1] if s[0] == "const" else None for s in self.sources])
-        object.__setattr__(self, "_resolved", [(k, s) for k, s in enumerate(self.sources) if s[0] != "const"])
+        fixed = ("const", "lit")
+        object.__setattr__(self, "_template", [s[1] if s[0] in fixed else None for s in self.sources])
+        object.__setattr__(self, "_resolved", [(k, s) for k, s in enumerate(self.sources) if s[0] not in fixed])
         # the params the program baked, when the trace holds each as a "const" (it always runs
         # with them): a run checks their versions and addresses alone, in one pass (148 in a GPT-2 step)
         baked = self.program.baked
@@ -113,6 +115,8 @@ class Trace:
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
+            if src[0] == "lit":
+                return ("lit", src[1].dtype, src[1].item())
             return ("const", id(src[1])) if src[0] == "const" else src
 
         def shape(t: Trace) -> list:

@@ -5,8 +5,13 @@ An argument object (a KV cache) is guarded by identity and Python state (replay/
 tensors it holds are read where they sit, written back by the last program (a StaticCache's, in
 place), or replaced by values the programs made (a DynamicCache's, grown by a step); a call that
 changes anything else of that state is ineligible. Anything else Python did with tensor data (a random
-op, an eager fallback op, `.tolist()`, a tensor made from Python data) makes the call ineligible;
-the reason is counted in `stats()["replay_ineligible"]`.
+op, an eager fallback op, `.tolist()`) makes the call ineligible; the reason is counted in
+`stats()["replay_ineligible"]`. Any other tensor a graph reads (a function's lru_cache, a global
+table) is read where it sits, as a weight is: replay needs two calls in a row to read the same
+object (Trace.same_as; the trace holds it, so its id is not reused), so one Python makes anew each
+call (`torch.from_numpy`) never replays. A 0-dim tensor torch made of a
+Python number (`spatial_shapes[i, 0] = height`) is a literal: replay needs two calls in a row with
+its value, as it does for a Python scalar the call returns.
 """
 from __future__ import annotations
 
@@ -91,7 +96,9 @@ class Tracer:
             base = storages.get(x.untyped_storage().data_ptr()) if x.numel() else None
             if base is not None:  # a view Python took of a graph value (logits = mm(...).view(...))
                 return ("view", base, tuple(x.shape), x.stride(), x.storage_offset())
-            raise Ineligible(f"a graph reads a {x.dtype} tensor of shape {list(x.shape)} made in Python during the call")
+            if not x.dim() and x.device.type == "cpu":  # a Python number torch made a tensor (t[i] = n)
+                return ("lit", x)
+            return ("const", x)  # a tensor Python keeps outside the module (a function's lru_cache)
 
         reads: list[list] = [[] for _ in self.runs]
         produced = {id(v): (k, j) for k, run in enumerate(self.runs) for j, v in enumerate(run[2])}
