@@ -145,9 +145,6 @@ class Method(_Signature):
             if unknown:
                 raise BundleError(f"method {name!r} of {bundle.path} writes states {unknown} that the manifest does "
                                   f"not declare: the bundle was tampered with; write it again")
-            if g.writes and k != len(spec.programs) - 1:  # a trace writes after its last program, every check passed
-                raise BundleError(f"graph {k} of method {name!r} of {bundle.path} writes states but is not its last: "
-                                  f"the manifest was tampered with; write the bundle again")
         # partitions for a delegate that does not execute here, run by their eager fallback: (graph, #, why)
         self.fallbacks = [(k, j, why) for (k, j), (_, _, why) in runners.items() if why]
         self._runners = runners

@@ -22,6 +22,7 @@ from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
+from torchnative.replay.hooks import hooks_of, logged
 from torchnative.replay.watch import foreign_hook, module_changes, watch
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import current_handler
@@ -70,15 +71,18 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        hooked = foreign_hook(self.model, self._submodules())
+        named = self._submodules()
+        hooked, hook_set = foreign_hook(named), hooks_of(named)
         if hooked is None:
-            replayed, out = replayer.replay(key, leaves)
+            replayed, out = replayer.replay(key, leaves, hook_set)
             if replayed:
                 return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer()
+        tracer.hook_set = hook_set
         before = dict(replayer.snapshots)
-        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites):
+        with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites), \
+                logged(named, tracer.hooks):
             out = forward(*args, **kwargs)
         out = real_outputs(out)
         if hooked is not None:
@@ -90,11 +94,11 @@ class AcceleratedForward:
         replayer.learn(key, tracer, leaves, out, before)
         return out
 
-    def _submodules(self) -> list[torch.nn.Module]:
-        """The model's submodules, listed again only after a module attribute was set anywhere."""
+    def _submodules(self) -> list[tuple[str, torch.nn.Module]]:
+        """The model's named submodules, listed again only after a module attribute was set anywhere."""
         changes = module_changes()
         if self._listed is None or self._listed[0] != changes:
-            self._listed = (changes, [m for m in self.model.modules() if m is not self.model])
+            self._listed = (changes, [(n, m) for n, m in self.model.named_modules() if m is not self.model])
         return self._listed[1]
 
     def _replay_state(self) -> Replayer:

@@ -6,7 +6,7 @@ training flag). When two consecutive calls with the same guards produced the sam
 calls with those guards replay it: each program runs, each scalar read is checked against the
 recorded one, and a mismatch (Python would have branched differently), a changed weight, or a
 module attribute set (or a parameter re-registered) anywhere falls back to recording the call — the programs run so far wrote
-nothing, so running the call again is safe. Only the last program writes, once every guard held:
+nothing, so running the call again is safe. The programs' writes are made at the end, once every guard held:
 into the tensors an argument object reaches, as the recording did.
 """
 from __future__ import annotations
@@ -50,11 +50,12 @@ class Replayer:
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
 
-    def replay(self, key: tuple, leaves: list) -> tuple[bool, Any]:
+    def replay(self, key: tuple, leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
+        """`hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
         entry = self.entries.get(key)
         if entry is None or (entry.seen < 2 and entry.run < 2):
             return False, None
-        out = run(entry.trace, leaves, self.snapshots, self.submit)
+        out = run(entry.trace, leaves, self.snapshots, self.submit, hook_set)
         if type(out) is Miss:
             events.STATS.replay_misses += 1
             events.emit(events.ReplayOutcome("miss"))

@@ -99,6 +99,10 @@ class Trace:
     # ((i, k), source): the k-th tensor argument object i holds is replaced by this value (a
     # DynamicCache's keys by the longer ones the step concatenated)
     sets: tuple = ()
+    # ((hook, module, sources, spec), ...): forward hooks the call ran, called again on the
+    # values (replay/hooks.py), while the model's hooks are `hook_set`
+    hooks: tuple = ()
+    hook_set: tuple = ()
     repaid: bool = field(default=False, compare=False)  # an eager program of it has repaid its compile: record again
 
     def held(self, snapshots: dict) -> "Trace":
@@ -121,9 +125,12 @@ class Trace:
 
         def shape(t: Trace) -> list:
             return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.calls]
+        def hooks(t: Trace) -> list:
+            return [(id(h), id(m), tuple(map(norm, sources)), spec) for h, m, sources, spec in t.hooks]
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
-                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets)
+                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets
+                and hooks(self) == hooks(other) and self.hook_set == other.hook_set)
 
 
 class Miss(NamedTuple):
@@ -134,13 +141,14 @@ class Miss(NamedTuple):
     got: Any = None
 
 
-def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = None) -> Any:
+def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = None, hook_set: tuple = ()) -> Any:
     """The one interpreter of a trace, for a replayed call and a bundle's method alike: each
     program in order on inputs from their sources, each scalar Python read checked against the
-    recorded one, then the last program's state writes (only once every guard held), the outputs
+    recorded one, then the programs' state writes (only once every guard held), the outputs
     and what the call put into its argument objects. The call's output, or a `Miss`. `submit`:
-    how the programs of a call autograd records build their backward (build/differentiable.py)."""
-    if trace.module_changes is not None and trace.module_changes != module_changes():
+    how the programs of a call autograd records build their backward (build/differentiable.py);
+    `hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
+    if trace.module_changes is not None and trace.module_changes != module_changes() or trace.hook_set != hook_set:
         return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
@@ -165,13 +173,14 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
             if type(got) is not type(expected) or got != expected:
                 return Miss(k, r, got)
         produced.append(values)
-    last = trace.calls[-1] if trace.calls else None
-    if last is not None and last.writes:  # only the last program writes, after every guard held
-        values = produced[-1]
-        copy_back(last.roots(leaves, produced, snapshots), values[len(values) - len(last.writes):])
+    for call, values in zip(trace.calls, produced):  # the programs' writes, once every guard held
+        if call.writes:
+            copy_back(call.roots(leaves, produced, snapshots), values[len(values) - len(call.writes):])
     out = [resolve(o, leaves, produced, snapshots) for o in trace.outputs]
     for (i, k), src in trace.sets:  # what the call put into its argument objects
         put(snapshots[i].places[k], resolve(src, leaves, produced, snapshots))
+    for hook, module, sources, spec in trace.hooks:
+        hook(module, *pytree.tree_unflatten([resolve(x, leaves, produced, snapshots) for x in sources], spec))
     build = trace.__dict__.get("_build")
     if build is None:
         built = pytree.tree_unflatten(out, trace.spec)

@@ -2,7 +2,7 @@
 (replay/trace.py), or says why the call is `Ineligible`.
 
 An argument object (a KV cache) is guarded by identity and Python state (replay/guard.py); the
-tensors it holds are read where they sit, written back by the last program (a StaticCache's, in
+tensors it holds are read where they sit, written back by the programs at the call's end (a StaticCache's, in
 place), or replaced by values the programs made (a DynamicCache's, grown by a step); a call that
 changes anything else of that state is ineligible. Anything else Python did with tensor data (a random
 op, an eager fallback op, `.tolist()`) makes the call ineligible; the reason is counted in
@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative.replay.guard import SCALARS, Snapshot, is_plain
+from torchnative.replay.hooks import HookLog
 from torchnative.replay.trace import GraphCall, Ineligible, Trace
 from torchnative.replay.watch import module_changes
 
@@ -38,6 +39,8 @@ class Tracer:
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
         self.changes = module_changes()
+        self.hooks = HookLog()  # the forward hooks the call ran (replay/hooks.py)
+        self.hook_set: tuple = ()
 
     def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None,
             timed: tuple | None = None) -> None:
@@ -63,8 +66,8 @@ class Tracer:
     def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any, before: dict[int, Snapshot],
               after: dict[int, Snapshot]) -> Trace:
         """`before`, `after`: the argument objects' snapshots at the call's start and end."""
-        if self.why is not None:
-            raise Ineligible(self.why)
+        if self.why is not None or self.hooks.why is not None:
+            raise Ineligible(self.why or self.hooks.why)
         if module_changes() != self.changes:
             raise Ineligible("the call set a module attribute or registered a parameter or buffer (a replay would skip it)")
         where: dict[int, tuple] = {}    # id(tensor) -> source
@@ -87,6 +90,8 @@ class Tracer:
             s = where.get(id(x))
             if s is not None:
                 return s
+            if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() in rewritten:
+                raise Ineligible("a graph reads a view of a tensor an earlier graph wrote (a replay writes it at the end)")
             if not isinstance(x, torch.Tensor):
                 if type(x) in SCALARS:
                     return ("py", x)
@@ -102,8 +107,10 @@ class Tracer:
 
         reads: list[list] = [[] for _ in self.runs]
         produced = {id(v): (k, j) for k, run in enumerate(self.runs) for j, v in enumerate(run[2])}
-        if any(run[3] for run in self.runs[:-1]):
-            raise Ineligible("a graph before the last writes into a real tensor")
+        # a replay writes every graph's real tensors at its end, once every guard held: a later
+        # graph reads the value written, not the tensor; a view of it cannot be read so
+        homes: dict[int, tuple] = {}  # id(written tensor) -> where it sits
+        rewritten: set[int] = set()   # their storages
         for t, value in self.reads:
             if id(t) not in produced:
                 raise Ineligible("Python read a scalar of a tensor that is not a graph output")
@@ -114,17 +121,28 @@ class Tracer:
             if not all(isinstance(x, torch.Tensor) for x in inputs):
                 raise Ineligible("a Python float that changes between calls is an input of a graph (a replay cannot know its next value)")
             grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-            writes = tuple(source(r) for r in roots)
+            sources = tuple(source(x) for x in inputs)
+            writes = tuple(homes.setdefault(id(r), source(r)) for r in roots)
             if any(w[0] not in ("arg", "field", "const") for w in writes):
                 raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
-            steps.append(GraphCall(program, tuple(source(x) for x in inputs), tuple(reads[k]), writes, self.timed[k], grad))
+            steps.append(GraphCall(program, sources, tuple(reads[k]), writes, self.timed[k], grad))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
+            for j, r in enumerate(roots, len(values)):
+                where[id(r)] = ("out", k, j)
+                rewritten.add(r.untyped_storage().data_ptr())
         sets = tuple((at, source(t)) for at, t in _replaced(before, after))
         outputs, spec = pytree.tree_flatten(out)
         if not is_plain(spec):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
-        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes(), sets)
+        hooks = []
+        for hook, module, args in self.hooks.calls:
+            given, given_spec = pytree.tree_flatten(args)
+            if not is_plain(given_spec) or not all(isinstance(x, torch.Tensor) or type(x) in SCALARS for x in given):
+                raise Ineligible(f"a forward hook is given an object a replay cannot rebuild ({given_spec.type.__name__})")
+            hooks.append((hook, module, tuple(source(getattr(x, "_value", x)) for x in given), given_spec))
+        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes(), sets, tuple(hooks),
+                     self.hook_set)
 
 
 def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> list[tuple[tuple[int, int], torch.Tensor]]:

@@ -81,24 +81,30 @@ def module_changes() -> int:
 # transformers' capture of hidden states and attentions (`output_hidden_states=True`)
 _OF_THE_CALL = ("transformers.",)
 _KINDS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# a submodule's forward hooks a replay calls itself (replay/hooks.py); these it cannot
+_UNREPLAYABLE = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def of_the_call(hook: Any) -> bool:
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith(_OF_THE_CALL)
 
 
 def _foreign(hooks: dict) -> bool:
-    return any(not getattr(getattr(h, "func", h), "__module__", "").startswith(_OF_THE_CALL) for h in hooks.values())
+    return not all(map(of_the_call, hooks.values()))
 
 
-def foreign_hook(model: torch.nn.Module, submodules: list[torch.nn.Module]) -> str | None:
-    """Where a hook runs inside `model`'s forward that a replay would skip (ActMAD's statistics,
-    a feature extractor's list), or None; `submodules`: the model's, itself excluded (its own hooks
-    run around the forward a replay replaces, so they run either way). Every call asks: a
-    GPT-2's 163 submodules take tens of us (the list itself is kept between calls)."""
+def foreign_hook(named: list[tuple[str, torch.nn.Module]]) -> str | None:
+    """Where a hook runs inside a model's forward that a replay would skip and cannot call
+    itself (a pre-hook, a backward hook, a global hook), or None; `named`: the model's
+    submodules, itself excluded (its own hooks run around the forward a replay replaces, so they
+    run either way). Every call asks: a GPT-2's 163 submodules take tens of us (the list itself
+    is kept between calls)."""
     g = torch.nn.modules.module
     if any(_foreign(getattr(g, f"_global{kind}")) for kind in _KINDS):
         return "a global module hook (torch.nn.modules.module.register_module_*_hook)"
-    for m in submodules:
-        if (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
-                and any(_foreign(getattr(m, kind)) for kind in _KINDS):
-            name = next(n for n, x in model.named_modules() if x is m)
+    for name, m in named:
+        if (m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks) \
+                and any(_foreign(getattr(m, kind)) for kind in _UNREPLAYABLE):
             return f"a hook on submodule {name!r}"
     return None
 
