@@ -4,6 +4,7 @@ once ready, and a weight written while it compiled is never served stale."""
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import threading
@@ -11,11 +12,11 @@ import threading
 import torch
 
 import torchnative
-from torchnative import sizes
+from torchnative import sizes, threads
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
 from torchnative.cache import program_cache
-from torchnative.cache.program_cache import clear_caches, programs
+from torchnative.cache.program_cache import background, clear_caches, programs
 
 ORT = dict(rtol=1e-4, atol=1e-4)
 
@@ -135,3 +136,15 @@ def test_sizes_that_vary_compile_their_template_in_the_background():
             assert_same(model(*_inputs(n)), expected(*_inputs(n)))
     assert torchnative.stats()["symbolic_graphs"] == 1 and not torchnative.stats()["fallbacks"]
     assert any(sizes.is_symbolic(p.graph.gm) for p in _compiled(programs()))
+
+
+def test_the_compile_thread_runs_at_the_lowest_priority_on_one_torch_thread():
+    """Its tracing's ops run on one torch thread at nice 19, the runtimes it loads get the
+    caller's thread count, and the caller's own count is untouched."""
+
+    def inside():
+        return torch.get_num_threads(), threads.for_programs(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    callers = torch.get_num_threads()
+    assert background(True)(inside).result(timeout=60) == (1, callers, 19)
+    assert torch.get_num_threads() == callers and threads.for_programs() == callers

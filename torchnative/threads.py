@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
+from typing import Any, Callable
 
 SPIN = "10000"
 _SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -37,3 +39,42 @@ def check() -> None:
                       "the cores delegate programs then run on, slowing them (a GPT-2 decode step's ONNX Runtime "
                       f"program 19 ms instead of 13.6); set GOMP_SPINCOUNT={SPIN} in the environment, or import "
                       "torchnative before torch", stacklevel=4)
+
+
+_local = threading.local()
+
+
+def for_programs() -> int:
+    """Threads a delegate's runtime should use: the calling thread's torch count, or, on the
+    background compile thread (whose own torch ops run on one), the count of the thread that
+    asked for the compile."""
+    import torch
+
+    return getattr(_local, "callers", None) or torch.get_num_threads()
+
+
+def on_one_thread(fn: Callable[..., Any], callers: int) -> Callable[..., Any]:
+    """`fn` to run on the background compile thread: one torch thread for the ops its tracing
+    runs on example inputs (not an OpenMP team beside the caller's on two cores), at the lowest
+    priority. `callers`: the caller's torch thread count, for the runtimes the compile loads
+    (for_programs). ActMAD on RT-DETR, steps 3-11 (the backward's compiles running): 7.6-8.0 s
+    with these, 10.8-12.3 s without (eager's steps beside them: 2.9-5.5 s; 0.4 s alone)."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        torch.set_num_threads(1)  # this thread's OpenMP team only
+        _local.callers = callers
+        lowest_priority()
+        return fn(*args, **kwargs)
+    return run
+
+
+def lowest_priority() -> None:
+    """The calling thread gets the cores when the others leave them idle (Linux: a thread's nice
+    value is its own). It still takes the GIL: a compile's long C calls (the collector's full
+    collections, 0.2-0.5 s each, regex tokenizing of torchlib's sources) stall the caller anyway."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # not permitted: the compile shares the cores as before
+            pass

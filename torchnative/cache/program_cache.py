@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from torchnative import events
+from torchnative import events, threads
 from torchnative.recording import reset as forget_recordings
 from torchnative.recording.trie import Recorded
 from torchnative.delegates.base import fresh_dispatch_state
@@ -101,7 +101,8 @@ class _Switch:
         with self.lock:
             self.unfinished += 1
             sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
-        job = _background.submit(*args, **kwargs)
+        fn, *rest = args
+        job = _background.submit(threads.on_one_thread(fn, torch.get_num_threads()), *rest, **kwargs)
         job.add_done_callback(self._finished)
         return job
 

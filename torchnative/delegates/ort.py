@@ -12,6 +12,7 @@ import threading
 import torch
 import torch.fx as fx
 
+from torchnative import threads
 from torchnative.delegates.base import tensors
 from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, slice_write, to_onnx, translated
 from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
@@ -148,7 +149,7 @@ class OnnxRuntime:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()
+        options.intra_op_num_threads = threads.for_programs()
         options.log_severity_level = 3  # errors only: its optimizer's notes are not the user's business
         # Each session has its own pool, whose threads by default keep spinning after a run; the
         # next partition's session (or torch) then shares 2 cores with them: BERT-base's 472-op
