@@ -564,3 +564,64 @@ def test_forward_hooks_that_keep_tensors_are_called_by_replay(delegates):
         for _ in range(5):
             accel(torch.randn(16, 4))
     assert len(seen) == 5
+
+
+class FastWeightScan(torch.nn.Module):
+    """A TTT-style scan as public libraries write it: an output buffer made before the loop and
+    written step by step, a fast weight updated in the loop, a data check per step (a cut), and
+    the final fast weight copied into a state the module keeps across calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("w0", torch.zeros(8, 8))
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        w = self.w0
+        for t in range(x.shape[0]):
+            y = self.lin(x[t]) + x[t] @ w
+            if torch.isnan(y).any():
+                raise ValueError("nan")
+            out[t] = y
+            w = w + 0.01 * torch.outer(y, x[t])
+        self.w0.copy_(w)
+        return out
+
+
+@pytest.mark.parametrize("delegates", DELEGATES, ids=lambda d: d[0])
+def test_a_scan_writing_a_buffer_and_a_state_after_cuts_replays(delegates):
+    eager = FastWeightScan()
+    accel = copy.deepcopy(eager)
+    torchnative.accelerate(accel, delegates=delegates, compile_after=1)
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            assert_same(accel(x), eager(x), rtol=1e-5, atol=1e-6)
+            assert_same(accel.w0, eager.w0, rtol=1e-5, atol=1e-6)
+    assert torchnative.stats()["replays"] >= 3, torchnative.stats()
+
+
+class InPlaceViews(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y.unsqueeze_(0)  # the wrapper takes the view's metadata in place (recorder._set_meta)
+        y.squeeze_(0).t_()
+        return y * 2
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_in_place_view_ops_on_recorded_values(grad):
+    """x.unsqueeze_(), squeeze_(), t_() on a value the call made: recorded while `.data =` is
+    watched (shim/data.py), which must not take the recorder's own metadata update for a user's."""
+    eager = InPlaceViews()
+    accel = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"])
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            assert_same(accel(x), eager(x))

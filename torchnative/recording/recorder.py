@@ -28,6 +28,7 @@ from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 aten = torch.ops.aten
 _make = torch.Tensor._make_wrapper_subclass
 _no_data = torch._C._set_throw_on_mutable_data_ptr
+_DATA = torch._C.TensorBase.data  # the getset descriptor
 _wref = weakref.ref
 _TRUE, _FALSE = "\0T", "\0F"
 _RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ, _ASIDE = (
@@ -64,8 +65,8 @@ def _pending(shape, stride, offset: int, dtype: torch.dtype) -> LazyTensor:
 
 def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
     """Give the wrapper `dst` the shape/stride of `like`, keeping its Python identity."""
-    with torch.no_grad():
-        dst.data = _pending(like.shape, like.stride(), like.storage_offset(), like.dtype)
+    with torch.no_grad():  # torch's own setter: shim/data.py's, installed while capturing, materializes
+        _DATA.__set__(dst, _pending(like.shape, like.stride(), like.storage_offset(), like.dtype))
 
 
 class Recorder:

@@ -123,8 +123,9 @@ class Tracer:
             grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
             sources = tuple(source(x) for x in inputs)
             writes = tuple(homes.setdefault(id(r), source(r)) for r in roots)
-            if any(w[0] not in ("arg", "field", "const") for w in writes):
-                raise Ineligible("a graph writes into a tensor that is not an argument or reachable from one")
+            # "out": a buffer an earlier graph made (a scan's `out = torch.empty(...)`, `out[t] = y` after a cut)
+            if any(w[0] not in ("arg", "field", "const", "out") for w in writes):
+                raise Ineligible("a graph writes into a tensor that is not an argument, reachable from one, or made by the call")
             steps.append(GraphCall(program, sources, tuple(reads[k]), writes, self.timed[k], grad))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
