@@ -133,3 +133,36 @@ def test_a_graph_without_a_backward_goes_on_recording_and_says_why(monkeypatch):
     stats = torchnative.stats()
     assert stats["replays"] == 0
     assert any("no backward for its graph" in why and "some_op" in why for why in stats["fallbacks"]), stats["fallbacks"]
+
+
+class Refining(torch.nn.Module):
+    """RT-DETR's decoder pattern: each layer refines reference points that the next reads
+    detached, so the gradient of a layer's output does not reach the layers before it through them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+
+    def forward(self, x):
+        ref, outs = x, []
+        for layer in self.layers:
+            new = layer(ref) + ref
+            outs.append(new)
+            ref = new.detach()
+        return torch.stack(outs).square().sum()
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_a_detach_inside_the_forward_stops_the_replays_gradient(delegate):
+    torch.manual_seed(0)
+    eager = Refining()
+    accel = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate], compile_after=1, background=False)
+    torchnative.reset_stats()
+    for step in range(6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m in (eager, accel):
+            m.zero_grad()
+            m(x).backward()
+        for p, q in zip(eager.parameters(), accel.parameters()):
+            assert_same(q.grad, p.grad, **_tol(delegate))
+    assert torchnative.stats()["replays"] >= 3, torchnative.stats()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from torchnative.ir import CapturedGraph
-from torchnative.passes.cleanup import cse, hoist_placeholders
+from torchnative.passes.cleanup import cse, hoist_placeholders, undetach
 from torchnative.passes.derived import Derived
 from torchnative.passes.fold import drop_zero_biases, fold_constants
 from torchnative.passes.fuse import mark_halves
@@ -26,7 +26,7 @@ def prepare(graph: CapturedGraph, inputs: list[torch.Tensor], quantize: str | No
     partition, before a delegate compiles it). The Derived tensors are appended to the
     program's inputs on every call."""
     derived = Derived()
-    graph = mark_halves(cse(hoist_placeholders(apply_pins(graph.copy(), inputs))))
+    graph = mark_halves(cse(hoist_placeholders(apply_pins(undetach(graph.copy()), inputs))))
     graph = drop_zero_biases(fold_constants(graph, inputs, derived), inputs, derived)
     if quantize is not None:
         graph = quantize_weights(graph, inputs, quantize, derived, once=eager_only)

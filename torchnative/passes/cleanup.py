@@ -33,6 +33,14 @@ def cse(graph: CapturedGraph) -> CapturedGraph:
     return dce(graph)
 
 
+def undetach(graph: CapturedGraph) -> CapturedGraph:
+    """`detach` as `alias`: a program's graph runs without autograd (a differentiable replay
+    differentiates the captured graph, where detach stays), and delegates know alias."""
+    for n in graph.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default):
+        n.target = torch.ops.aten.alias.default
+    return graph
+
+
 def hoist_placeholders(graph: CapturedGraph) -> CapturedGraph:
     """Move every placeholder, in order, before the first op (capture interleaves them), so a
     pass can add inputs after the last one and ops right after those."""

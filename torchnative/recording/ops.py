@@ -211,6 +211,11 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.RECORD)
     if op is aten.lift_fresh.default:
         return OpClass(Kind.IDENTITY)
+    if op is aten.detach.default:
+        # kept as itself, not torch's `alias` decomposition: a graph differentiated as recorded
+        # (build/differentiable.py) must stop gradients where the model did (RT-DETR detaches its
+        # reference points between decoder layers); passes.prepare makes it an alias for delegates
+        return OpClass(Kind.RECORD, is_view=True)
     if op is aten._has_compatible_shallow_copy_type.default:  # asked by `t.data = other`
         return OpClass(Kind.ANSWER, decomposition=lambda a, b: type(a) is type(b))
     if name in ("resize_", "set_", "resize_as_"):
