@@ -55,26 +55,16 @@ def for_programs() -> int:
 
 def on_one_thread(fn: Callable[..., Any], callers: int) -> Callable[..., Any]:
     """`fn` to run on the background compile thread: one torch thread for the ops its tracing
-    runs on example inputs (not an OpenMP team beside the caller's on two cores), at the lowest
-    priority. `callers`: the caller's torch thread count, for the runtimes the compile loads
-    (for_programs). ActMAD on RT-DETR, steps 3-11 (the backward's compiles running): 7.6-8.0 s
-    with these, 10.8-12.3 s without (eager's steps beside them: 2.9-5.5 s; 0.4 s alone)."""
+    runs on example inputs (not an OpenMP team beside the caller's on two cores). `callers`: the
+    caller's torch thread count, for the runtimes the compile loads (for_programs). (A nice-19
+    compile thread made ActMAD on RT-DETR's steps 3-11 7.6-8.0 s instead of 10.8-12.3 s, but the
+    runtimes' threads it starts inherit its priority, and the default suite stalled in a test
+    waiting for compiles: not kept.)"""
     def run(*args: Any, **kwargs: Any) -> Any:
         import torch
 
         torch.set_num_threads(1)  # this thread's OpenMP team only
         _local.callers = callers
-        lowest_priority()
         return fn(*args, **kwargs)
     return run
 
-
-def lowest_priority() -> None:
-    """The calling thread gets the cores when the others leave them idle (Linux: a thread's nice
-    value is its own). It still takes the GIL: a compile's long C calls (the collector's full
-    collections, 0.2-0.5 s each, regex tokenizing of torchlib's sources) stall the caller anyway."""
-    if hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:  # not permitted: the compile shares the cores as before
-            pass
