@@ -60,6 +60,7 @@ def test_the_readme_starts_with_the_two_setup_commands_and_is_short():
     assert "pytest" in ci
 
 
+@pytest.mark.slow  # 16 s; the default suite stays under ~18 min on 2 cores
 def test_the_readmes_python_examples_run(tmp_path):
     """The accelerate/capture block and the inspector block, one after the other, as a user pastes them."""
     blocks = _blocks(ROOT / "README.md", "python")
