@@ -78,8 +78,7 @@ class AcceleratedForward:
             if replayed:
                 return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
-        tracer = Tracer()
-        tracer.hook_set = hook_set
+        tracer = Tracer(hook_set)
         before = dict(replayer.snapshots)
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites), \
                 logged(named, tracer.hooks):

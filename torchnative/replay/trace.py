@@ -125,6 +125,7 @@ class Trace:
 
         def shape(t: Trace) -> list:
             return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.calls]
+
         def hooks(t: Trace) -> list:
             return [(id(h), id(m), tuple(map(norm, sources)), spec) for h, m, sources, spec in t.hooks]
         mine, theirs = shape(self), shape(other)

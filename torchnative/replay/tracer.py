@@ -32,7 +32,8 @@ _SCALAR_READ = aten._local_scalar_dense.default
 class Tracer:
     """Watches one recorded call: the programs it ran and what Python did with their values."""
 
-    def __init__(self) -> None:
+    def __init__(self, hook_set: tuple = ()) -> None:
+        """`hook_set`: the model's forward hooks when the call started (replay/hooks.hooks_of)."""
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.recorded: list = []          # per run: its graph (recording.trie.Recorded)
         self.timed: list = []             # per run: the cost rule's key, if it ran on eager until its compile repays
@@ -40,7 +41,7 @@ class Tracer:
         self.why: str | None = None
         self.changes = module_changes()
         self.hooks = HookLog()  # the forward hooks the call ran (replay/hooks.py)
-        self.hook_set: tuple = ()
+        self.hook_set = hook_set
 
     def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None,
             timed: tuple | None = None) -> None:
