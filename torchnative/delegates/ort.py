@@ -22,6 +22,7 @@ from torchnative.passes.state import SLICE_UPDATE
 
 _HINT = "pip install onnxruntime onnxscript onnx"
 _INDEX_PUT = torch.ops.aten.index_put.default
+_BN_EVAL = torch.ops.aten._native_batch_norm_legit_no_training.default
 
 # found wrong by the OpInfo sweep (tests/opinfo_sweep.py --delegates ort)
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
@@ -120,6 +121,9 @@ class OnnxRuntime:
                                              for u in node.users):
             return Support(False, f"{node.target}'s indices: torch orders equal values as its CPU kernel's selection "
                                   "leaves them, ONNX TopK by lower index first; with ties the indices differ")
+        if node.target is _BN_EVAL and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
+            return Support(False, "eval-mode BatchNorm's saved mean and invstd, which a backward reads, are empty in "
+                                  "eager and the batch's statistics in torchlib's translation")
         if node.target in SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
                                   "logsumexp that autograd saves (the call runs with grad enabled)")
