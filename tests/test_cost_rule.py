@@ -1,6 +1,8 @@
 """The cost rule (cache/program_cache.py, `compile_after=None`, the default outside the tests): a
 graph compiles once its runs on eager took REPAY of its compile's estimated seconds; until then it
 runs (and replays) on eager's program, and `explain()` says why. Results are eager's throughout."""
+import copy
+
 import pytest
 import torch
 
@@ -111,3 +113,72 @@ def test_each_new_model_of_the_same_graphs_repays_its_own_compile(monkeypatch):
             for _ in range(3):
                 torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)
     assert len(_compiled()) == 1
+
+
+class Decaying(torch.nn.Module):
+    """DUA's pattern: statistics moved by a momentum the method decays before every call (a Python
+    float that enters an op by keyword), so no call can replay."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body, self.momentum = Mlp(width), 0.1
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x):
+        self.mean.mul_(1 - self.momentum).add_(x.mean(0), alpha=self.momentum)
+        return self.body(x - self.mean)
+
+
+def _step(model: Decaying, x: torch.Tensor) -> torch.Tensor:
+    model.momentum = max(model.momentum * 0.94, 0.005)
+    return model(x)
+
+
+@pytest.mark.parametrize("delegates", [["eager"], ["ort"]])
+def test_calls_that_cannot_replay_and_record_slower_than_eager_run_as_eager(delegates):
+    """Recording a tiny graph costs more than running it: after the second call (timed recorded)
+    and the third (timed on eager), stretches of calls run as eager, each followed by one recorded
+    call that looks again; outputs and state are eager's throughout."""
+    torch.manual_seed(0)
+    model, xs = Decaying(16), [torch.randn(4, 16) for _ in range(3)]
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=delegates, compile_after=None)
+    with torch.no_grad():
+        for i in range(40):
+            expected, got = _step(reference, xs[i % 3]), _step(model, xs[i % 3])
+            assert torch.equal(got, expected) and torch.equal(model.mean, reference.mean), i
+    stats = torchnative.stats()
+    assert stats["replays"] == 0 and 30 <= stats["eager_calls"] <= 37, stats
+    assert stats["replay_ineligible"], stats
+
+
+def test_calls_that_replay_are_never_run_as_eager():
+    model, x = Mlp(16), torch.randn(4, 16)
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    with torch.no_grad():
+        for _ in range(20):
+            model(x)
+    assert torchnative.stats()["eager_calls"] == 0 and torchnative.stats()["replays"] >= 15
+
+
+def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays_still_happens(monkeypatch):
+    """Each eager call adds what the recorded call's graph took on eager to the cost rule's sum;
+    once it repays, the next call records and compiles, and later calls run the compiled program."""
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1e-6)
+    monkeypatch.setattr(program_cache, "_COMPILE_FLOOR", 0.02)  # repays after ~4 ms of eager runs
+    torch.manual_seed(0)
+    model, x = Decaying(64), torch.randn(64, 64)
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    added = []  # what each eager call added to the cost rule's sums
+    with torch.no_grad():
+        for _ in range(400):
+            calls, spent = torchnative.stats()["eager_calls"], sum(s for s, _ in CACHE.eager_seconds.values())
+            torch.testing.assert_close(_step(model, x), _step(reference, x), rtol=1e-5, atol=1e-6)
+            if torchnative.stats()["eager_calls"] > calls:
+                added.append(sum(s for s, _ in CACHE.eager_seconds.values()) - spent)
+            if _compiled():
+                break
+    assert _compiled() and added and all(a > 0 for a in added), added
+    for _ in range(5):
+        torch.testing.assert_close(_step(model, x), _step(reference, x), rtol=1e-5, atol=1e-6)

@@ -113,6 +113,7 @@ class Stats:
     not_compiled: Counter = field(default_factory=Counter)  # graph runs left on eager by the cost rules, by rule
     symbolic_graphs: int = 0              # graphs made to stand for every size (torchnative.sizes)
     evicted: Counter = field(default_factory=Counter)  # entries a bounded table dropped (torchnative.lru), by table
+    eager_calls: int = 0                  # accelerated calls run as eager: recording them cost more (replay/worth.py)
 
     def as_dict(self) -> dict:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
@@ -123,7 +124,7 @@ class Stats:
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
                 "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs,
                 "not_compiled": dict(self.not_compiled), "symbolic_graphs": self.symbolic_graphs,
-                "evicted": dict(self.evicted)}
+                "evicted": dict(self.evicted), "eager_calls": self.eager_calls}
 
 
 STATS = Stats()

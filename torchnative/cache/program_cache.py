@@ -96,6 +96,7 @@ class _Switch:
 
     def __init__(self) -> None:
         self.normal, self.unfinished, self.lock = sys.getswitchinterval(), 0, threading.Lock()
+        self.finished = 0  # background builds done in this process (replay/worth.py looks for a new one)
 
     def submit(self, *args, **kwargs) -> Future:
         with self.lock:
@@ -109,11 +110,17 @@ class _Switch:
     def _finished(self, _: Future) -> None:
         with self.lock:
             self.unfinished -= 1
+            self.finished += 1
             if not self.unfinished:
                 sys.setswitchinterval(self.normal)
 
 
 _switch = _Switch()
+
+
+def compiles_finished() -> int:
+    """How many background builds have finished in this process."""
+    return _switch.finished
 
 
 def background(enabled: bool | None = None) -> Callable[..., Future] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,12 +20,13 @@ import torch
 from torchnative.cache import calibration as _calibration
 from torchnative.cache.program_cache import background
 from torchnative.recording.scalars import FloatSites
-from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
+from torchnative.replay.guard import SCALARS, flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
 from torchnative.replay.watch import foreign_hook, module_changes, watch
 from torchnative.replay.tracer import Tracer
+from torchnative.replay.worth import Worth
 from torchnative.shim import current_handler
 
 
@@ -49,6 +51,7 @@ class AcceleratedForward:
         self._sites = FloatSites()  # the floats its calls saw at each site: its own, not another model's
         self._lock = threading.Lock()
         self._listed: tuple[int, list] | None = None  # (module_changes(), submodules) when listed
+        self._worth = Worth()  # whether its calls that do not replay are worth recording
 
     @property
     def __wrapped__(self) -> Callable:  # inspect.signature (transformers' generate asks it) sees the model's forward
@@ -71,6 +74,14 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
+        # a call that will not replay (the last with its guards did not) may cost less on eager
+        weighed = key is not None and s.compile_after is None and all(
+            isinstance(x, torch.Tensor) or type(x) in SCALARS for x in leaves)
+        started = time.perf_counter()
+        if weighed and self._worth.eager_next(key):
+            out = forward(*args, **kwargs)
+            self._worth.ran_eager(key, time.perf_counter() - started)
+            return out
         named = self._submodules()
         hooked, hook_set = foreign_hook(named), hooks_of(named)
         if hooked is None:
@@ -90,7 +101,9 @@ class AcceleratedForward:
             tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
         elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
-        replayer.learn(key, tracer, leaves, out, before)
+        replayable = replayer.learn(key, tracer, leaves, out, before)
+        if weighed:
+            self._worth.recorded(key, time.perf_counter() - started, replayable, tracer.costs, tracer.compiling)
         return out
 
     def _submodules(self) -> list[tuple[str, torch.nn.Module]]:

@@ -67,9 +67,9 @@ class Replayer:
             self.entries.pop(key)
         return True, out
 
-    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> bool:
         """`before`: the argument objects' snapshots at the call's start (`self.snapshots` holds
-        those at its end)."""
+        those at its end). Can the next call with these guards replay?"""
         try:
             trace = tracer.trace(leaves, self.is_weight, out, before, self.snapshots)
         except Ineligible as e:
@@ -77,7 +77,7 @@ class Replayer:
             events.emit(events.ReplayOutcome("ineligible", str(e)))
             self.entries.pop(key, None)
             self.last = None
-            return
+            return False
         run = self.last.run + 1 if self.last is not None and self.last.trace.same_as(trace) else 1
         entry = self.entries.get(key)
         if entry is not None and entry.trace.same_as(trace):
@@ -86,3 +86,4 @@ class Replayer:
         else:
             entry = self.entries[key] = _Entry(trace, run=run)
         self.last = entry
+        return entry.seen >= 2 or entry.run >= 2

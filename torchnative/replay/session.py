@@ -22,16 +22,19 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
     def execute(graph: Recorded, inputs: list, n_ops: int, roots: list) -> list:
         program, hit, stand_in, not_compiled, timed = program_for(graph, delegates, inputs, compile_after, quantize,
                                                                   background)
+        seconds = 0.0
         if timed is None:
             values = program(inputs)
         else:  # a run on eager the cost rule counts
             started = time.perf_counter()
             values = program(inputs)
-            CACHE.ran(timed, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            CACHE.ran(timed, seconds)
         if tracer is not None:
             if stand_in:  # a replay would keep eager's program after the delegates' one is ready
                 tracer.refuse("a graph of it is compiling in the background")
-            tracer.ran(program, inputs, values, roots, graph, timed)
+                tracer.compiling = True
+            tracer.ran(program, inputs, values, roots, graph, timed, seconds)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values

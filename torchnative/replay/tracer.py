@@ -37,6 +37,8 @@ class Tracer:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.recorded: list = []          # per run: its graph (recording.trie.Recorded)
         self.timed: list = []             # per run: the cost rule's key, if it ran on eager until its compile repays
+        self.costs: list[tuple] = []      # (the cost rule's key, seconds) of those runs (replay/worth.py)
+        self.compiling = False            # a graph ran on eager while its program compiles in the background
         self.reads: list[tuple] = []      # (tensor read, value)
         self.why: str | None = None
         self.changes = module_changes()
@@ -44,13 +46,16 @@ class Tracer:
         self.hook_set = hook_set
 
     def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None,
-            timed: tuple | None = None) -> None:
+            timed: tuple | None = None, seconds: float = 0.0) -> None:
         """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values.
-        `recorded`: the graph (recording.trie.Recorded); `timed`: see GraphCall.timed."""
+        `recorded`: the graph (recording.trie.Recorded); `timed`: see GraphCall.timed, and the
+        `seconds` the run took."""
         n = len(values) - len(roots)
         self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
         self.recorded.append(recorded)
         self.timed.append(timed)
+        if timed is not None:
+            self.costs.append((timed, seconds))
 
     def eager(self, op: Any, args: tuple, out: Any) -> None:
         """Python ran `op` outside a graph (a cut, a random op) or read a lazy tensor's data."""

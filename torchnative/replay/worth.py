@@ -1,0 +1,89 @@
+"""Whether recording a call that will not replay is worth it, or the call runs as plain eager.
+
+Recording costs Python work per op (the door: ~15 µs an op) that eager does not pay. It repays when
+the recorded graphs run faster than eager ran them (a delegate's program) or when the calls go on
+to replay. A call that cannot replay (DUA's momentum: a Python float that changes every call) and
+whose recording took longer than eager runs as eager torch — eager's results by construction.
+
+Per guard key, with the cost rule on (`compile_after=None`) and plain arguments (tensors,
+scalars: no KV cache whose snapshot an eager call would make stale): the key's second recorded call
+is timed (its first pays one-time work), the next runs on eager and is timed. While recording is
+the slower by more than _MARGIN, stretches of `gap` calls (4, doubling to 32) run on eager, each
+followed by one recorded call that looks again (a compile finished, the call became replayable);
+a stretch that began while a graph of the call compiled in the background ends when a background
+build finishes. An eager call counts toward the cost rule as the recorded call's graphs would have run
+(`CACHE.ran`), so a compile that repays still happens: the stretch ends, the next call records and
+compiles. Counted in `stats()["eager_calls"]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchnative import events
+from torchnative.cache.program_cache import CACHE, compiles_finished
+from torchnative.lru import Lru
+
+_MARGIN = 1.1
+_FIRST_GAP, _MAX_GAP = 4, 32
+_KEEP = 1024  # as the replayer's traces: keys hold no tensor
+
+
+@dataclass
+class _Costs:
+    recorded: float | None = None  # seconds of the last warm recorded call that did not replay
+    eager: float | None = None     # seconds of the last eager call
+    calls: int = 0                 # recorded calls
+    skip: int = 0                  # eager calls left in this stretch
+    gap: int = _FIRST_GAP          # the next stretch's length
+    credit: tuple = ()             # (cost-rule key, seconds): the last recorded call's graph runs on eager
+    waits: int | None = None       # compiles_finished() when the last recorded call waited on a compile
+
+
+class Worth:
+    """Per accelerated module: guard key → the costs of its calls recorded and run on eager."""
+
+    def __init__(self) -> None:
+        self.keys = Lru(_KEEP, "call costs")
+
+    def eager_next(self, key: tuple) -> bool:
+        """Should the call with this guard key run on eager?"""
+        c = self.keys.get(key)
+        if c is None:
+            return False
+        if c.waits is not None and c.waits != compiles_finished():  # its program may be ready: look
+            c.skip, c.waits = 0, None
+        return c.skip > 0 or (c.eager is None and c.recorded is not None)
+
+    def ran_eager(self, key: tuple, seconds: float) -> None:
+        c = self.keys[key]
+        c.eager = seconds
+        if c.skip > 0:
+            c.skip -= 1
+        else:  # the call that measured eager
+            self._decide(c)
+        for run_key, spent in c.credit:
+            if CACHE.ran(run_key, spent):  # its compile repays: the next call records, and compiles it
+                c.skip = 0
+        events.STATS.eager_calls += 1
+
+    def recorded(self, key: tuple, seconds: float, replayable: bool, credit: list, compiling: bool) -> None:
+        """A recorded call took `seconds`; `replayable`: the next call with the key can replay;
+        `credit`: (cost-rule key, seconds) of its graphs' runs on eager; `compiling`: one of them
+        ran on eager while its program compiles in the background."""
+        c = self.keys.get(key)
+        if c is None:
+            c = self.keys[key] = _Costs()
+        c.calls += 1
+        if replayable or c.calls == 1:
+            return
+        c.recorded, c.credit = seconds, tuple(credit)
+        c.waits = compiles_finished() if compiling else None
+        if c.eager is not None:
+            self._decide(c)
+
+    @staticmethod
+    def _decide(c: _Costs) -> None:
+        if c.recorded > _MARGIN * c.eager:
+            c.skip, c.gap = c.gap, min(2 * c.gap, _MAX_GAP)
+        else:
+            c.skip, c.gap = 0, _FIRST_GAP
