@@ -182,3 +182,35 @@ def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays
     assert _compiled() and added and all(a > 0 for a in added), added
     for _ in range(5):
         torch.testing.assert_close(_step(model, x), _step(reference, x), rtol=1e-5, atol=1e-6)
+
+
+def test_calls_at_a_new_size_every_time_run_as_eager_once_recording_them_costs_more():
+    """Traffic of another length every call (BERT at random lengths) records at each new size: the
+    calls of one structure, whatever their sizes, are weighed together."""
+    torch.manual_seed(0)
+    model = Decaying(16)
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    with torch.no_grad():
+        for n in torch.randint(2, 64, (40,)).tolist():
+            x = torch.randn(n, 16)
+            assert torch.equal(model(x), reference(x)) and torch.equal(model.mean, reference.mean), n
+    assert torchnative.stats()["eager_calls"] >= 25, torchnative.stats()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_at_a_new_prompt_length_every_call_keeps_eagers_tokens(cache):
+    """Chat traffic: every generate() a new prompt length, its KV cache an argument object that a
+    call run as eager fills; the decode steps that follow are recorded or replayed from the cache's
+    state, whatever ran before them."""
+    from torchnative import models
+    model = models.build("gpt2")
+    reference = copy.deepcopy(model)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    for length in torch.randint(4, 40, (10,), generator=torch.Generator().manual_seed(0)).tolist():
+        ids = torch.randint(0, 999, (1, length), generator=torch.Generator().manual_seed(length))
+        assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs)), length
+    assert torchnative.stats()["eager_calls"] > 0, torchnative.stats()

@@ -20,7 +20,7 @@ import torch
 from torchnative.cache import calibration as _calibration
 from torchnative.cache.program_cache import background
 from torchnative.recording.scalars import FloatSites
-from torchnative.replay.guard import SCALARS, flatten_call, guard_key, same_apart_from_objects
+from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects, sizes_erased
 from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
@@ -74,13 +74,13 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        # a call that will not replay (the last with its guards did not) may cost less on eager
-        weighed = key is not None and s.compile_after is None and all(
-            isinstance(x, torch.Tensor) or type(x) in SCALARS for x in leaves)
+        # a call that will not replay (the last of its structure did not) may cost less on eager
+        weighed = sizes_erased(key) if key is not None and s.compile_after is None else None
         started = time.perf_counter()
-        if weighed and self._worth.eager_next(key):
+        elements = max(1, sum(x.numel() for x in leaves if isinstance(x, torch.Tensor)))
+        if weighed is not None and not replayer.ready(key) and self._worth.eager_next(weighed):
             out = forward(*args, **kwargs)
-            self._worth.ran_eager(key, time.perf_counter() - started)
+            self._worth.ran_eager(weighed, time.perf_counter() - started, elements)
             return out
         named = self._submodules()
         hooked, hook_set = foreign_hook(named), hooks_of(named)
@@ -101,9 +101,9 @@ class AcceleratedForward:
             tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
         elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
-        replayable = replayer.learn(key, tracer, leaves, out, before)
-        if weighed:
-            self._worth.recorded(key, time.perf_counter() - started, replayable, tracer.costs, tracer.compiling)
+        replayer.learn(key, tracer, leaves, out, before)
+        if weighed is not None:
+            self._worth.recorded(weighed, time.perf_counter() - started, elements, tracer.costs, tracer.compiling)
         return out
 
     def _submodules(self) -> list[tuple[str, torch.nn.Module]]:

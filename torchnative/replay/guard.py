@@ -182,6 +182,14 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
     return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
+def sizes_erased(key: tuple) -> tuple:
+    """A guard key with its argument tensors' sizes, strides and offsets left out (their rank,
+    dtype, device and grad kept): what calls at other sizes of the same structure share."""
+    described = tuple((len(d[0]),) + d[3:] if type(d) is tuple and len(d) == 6 and type(d[0]) is torch.Size else d
+                      for d in key[1])
+    return (key[0], described) + key[2:]
+
+
 def same_apart_from_objects(key: tuple | None, after: tuple | None) -> bool:
     """Two guard keys of one call, at its start and end, agree but for argument objects' states
     (what the call put into its KV cache, which the tracer describes)."""

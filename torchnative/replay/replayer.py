@@ -50,11 +50,16 @@ class Replayer:
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
 
+    def ready(self, key: tuple) -> bool:
+        """Is there a trace these guards may replay?"""
+        entry = self.entries.get(key)
+        return entry is not None and (entry.seen >= 2 or entry.run >= 2)
+
     def replay(self, key: tuple, leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
         """`hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
-        entry = self.entries.get(key)
-        if entry is None or (entry.seen < 2 and entry.run < 2):
+        if not self.ready(key):
             return False, None
+        entry = self.entries.get(key)
         out = run(entry.trace, leaves, self.snapshots, self.submit, hook_set)
         if type(out) is Miss:
             events.STATS.replay_misses += 1
@@ -67,9 +72,9 @@ class Replayer:
             self.entries.pop(key)
         return True, out
 
-    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> bool:
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
         """`before`: the argument objects' snapshots at the call's start (`self.snapshots` holds
-        those at its end). Can the next call with these guards replay?"""
+        those at its end)."""
         try:
             trace = tracer.trace(leaves, self.is_weight, out, before, self.snapshots)
         except Ineligible as e:
@@ -77,7 +82,7 @@ class Replayer:
             events.emit(events.ReplayOutcome("ineligible", str(e)))
             self.entries.pop(key, None)
             self.last = None
-            return False
+            return
         run = self.last.run + 1 if self.last is not None and self.last.trace.same_as(trace) else 1
         entry = self.entries.get(key)
         if entry is not None and entry.trace.same_as(trace):
@@ -86,4 +91,3 @@ class Replayer:
         else:
             entry = self.entries[key] = _Entry(trace, run=run)
         self.last = entry
-        return entry.seen >= 2 or entry.run >= 2

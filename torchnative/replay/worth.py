@@ -5,15 +5,16 @@ the recorded graphs run faster than eager ran them (a delegate's program) or whe
 to replay. A call that cannot replay (DUA's momentum: a Python float that changes every call) and
 whose recording took longer than eager runs as eager torch — eager's results by construction.
 
-Per guard key, with the cost rule on (`compile_after=None`) and plain arguments (tensors,
-scalars: no KV cache whose snapshot an eager call would make stale): the key's second recorded call
-is timed (its first pays one-time work), the next runs on eager and is timed. While recording is
-the slower by more than _MARGIN, stretches of `gap` calls (4, doubling to 32) run on eager, each
-followed by one recorded call that looks again (a compile finished, the call became replayable);
-a stretch that began while a graph of the call compiled in the background ends when a background
-build finishes. An eager call counts toward the cost rule as the recorded call's graphs would have run
-(`CACHE.ran`), so a compile that repays still happens: the stretch ends, the next call records and
-compiles. Counted in `stats()["eager_calls"]`.
+Per call structure — the guard key without its tensors' sizes, so that BERT at a new length every
+call is weighed as one — with the cost rule on (`compile_after=None`): the structure's second
+recorded call is timed (its first pays one-time work), the next one that has no trace to replay
+runs on eager and is timed, both as seconds per element of the argument tensors (the two calls may
+come at other sizes). While recording is the slower by more than _MARGIN, stretches of `gap` calls
+(4, doubling to 32) run on eager, each followed by one recorded call that looks again (a compile
+finished, the call became replayable); a stretch that began while a graph of the call compiled in
+the background ends when a background build finishes. An eager call counts toward the cost rule
+as the recorded call's graphs would have run (`CACHE.ran`), so a compile that repays still
+happens: the stretch ends, the next call records and compiles. Counted in `stats()["eager_calls"]`.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ _KEEP = 1024  # as the replayer's traces: keys hold no tensor
 
 @dataclass
 class _Costs:
-    recorded: float | None = None  # seconds of the last warm recorded call that did not replay
-    eager: float | None = None     # seconds of the last eager call
+    recorded: float | None = None  # seconds per argument element of the last warm recorded call
+    eager: float | None = None     # seconds per argument element of the last eager call
     calls: int = 0                 # recorded calls
     skip: int = 0                  # eager calls left in this stretch
     gap: int = _FIRST_GAP          # the next stretch's length
@@ -54,9 +55,9 @@ class Worth:
             c.skip, c.waits = 0, None
         return c.skip > 0 or (c.eager is None and c.recorded is not None)
 
-    def ran_eager(self, key: tuple, seconds: float) -> None:
+    def ran_eager(self, key: tuple, seconds: float, elements: int) -> None:
         c = self.keys[key]
-        c.eager = seconds
+        c.eager = seconds / elements
         if c.skip > 0:
             c.skip -= 1
         else:  # the call that measured eager
@@ -66,17 +67,16 @@ class Worth:
                 c.skip = 0
         events.STATS.eager_calls += 1
 
-    def recorded(self, key: tuple, seconds: float, replayable: bool, credit: list, compiling: bool) -> None:
-        """A recorded call took `seconds`; `replayable`: the next call with the key can replay;
-        `credit`: (cost-rule key, seconds) of its graphs' runs on eager; `compiling`: one of them
-        ran on eager while its program compiles in the background."""
+    def recorded(self, key: tuple, seconds: float, elements: int, credit: list, compiling: bool) -> None:
+        """A recorded call of `elements` argument elements took `seconds`; `credit`: (cost-rule key, seconds) of its graphs' runs
+        on eager; `compiling`: one of them ran on eager while its program compiles in the background."""
         c = self.keys.get(key)
         if c is None:
             c = self.keys[key] = _Costs()
         c.calls += 1
-        if replayable or c.calls == 1:
+        if c.calls == 1:
             return
-        c.recorded, c.credit = seconds, tuple(credit)
+        c.recorded, c.credit = seconds / elements, tuple(credit)
         c.waits = compiles_finished() if compiling else None
         if c.eager is not None:
             self._decide(c)
