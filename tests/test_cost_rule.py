@@ -143,13 +143,15 @@ def test_calls_that_cannot_replay_and_record_slower_than_eager_run_as_eager(dele
     model, xs = Decaying(16), [torch.randn(4, 16) for _ in range(3)]
     reference = copy.deepcopy(model)
     torchnative.accelerate(model, delegates=delegates, compile_after=None)
-    with torch.no_grad():
+    with torch.no_grad(), torchnative.profile() as profile:
         for i in range(40):
             expected, got = _step(reference, xs[i % 3]), _step(model, xs[i % 3])
             assert torch.equal(got, expected) and torch.equal(model.mean, reference.mean), i
     stats = torchnative.stats()
     assert stats["replays"] == 0 and 30 <= stats["eager_calls"] <= 37, stats
     assert stats["replay_ineligible"], stats
+    assert profile.data["counters"]["eager_calls"] == stats["eager_calls"]
+    assert any(why.startswith("ran as eager: recording it took") for why in profile.data["replay_ineligible"])
 
 
 def test_calls_that_replay_are_never_run_as_eager():

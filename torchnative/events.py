@@ -88,7 +88,7 @@ class Pinned:
 
 @dataclass(frozen=True)
 class ReplayOutcome:
-    outcome: str               # "replayed", "miss" (a guard failed) or "ineligible"
+    outcome: str               # "replayed", "miss" (a guard failed), "ineligible" or "eager" (replay/worth.py)
     reason: str = ""
 
 

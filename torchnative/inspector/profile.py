@@ -99,6 +99,7 @@ class Collector:
             "cache_misses": sum(not r.cache_hit for r in runs),
             "replays": self.replay["replayed"],
             "replay_misses": self.replay["miss"],
+            "eager_calls": self.replay["eager"],
             "graph_breaks": len(self.breaks),
             "fallbacks": len(self.fallbacks),
         }

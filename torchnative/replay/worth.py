@@ -58,6 +58,9 @@ class Worth:
     def ran_eager(self, key: tuple, seconds: float, elements: int) -> None:
         c = self.keys[key]
         c.eager = seconds / elements
+        if events.listeners:
+            events.emit(events.ReplayOutcome("eager", f"ran as eager: recording it took {c.recorded / c.eager:.1f}x "
+                                                      f"eager's time and it does not replay (replay/worth.py)"))
         if c.skip > 0:
             c.skip -= 1
         else:  # the call that measured eager
