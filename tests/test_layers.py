@@ -109,6 +109,8 @@ ALLOWED_TABLES = {
     "torchnative.events._listeners": "listeners registered and removed by the inspector",
     "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",
     "torchnative.threads._warned": "one flag",
+    "torchnative.threads._yielded": "one entry per thread that asked for a background compile, dropped at its next "
+                                    "call once none runs",
     "torchnative.build.verify._warned": "one entry per delegate",
     "torchnative.quiet._attached": "the log handlers a quiet() block filters, emptied when the last one ends",
     "torchnative.replay.watch._hooks": "two hook handles while any module is watched",

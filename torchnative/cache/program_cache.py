@@ -103,9 +103,15 @@ class _Switch:
             self.unfinished += 1
             sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
         fn, *rest = args
-        job = _background.submit(threads.on_one_thread(fn, torch.get_num_threads()), *rest, **kwargs)
+        job = _background.submit(threads.on_one_thread(fn, threads.for_programs()), *rest, **kwargs)
         job.add_done_callback(self._finished)
+        threads.yield_to_compile()
         return job
+
+    def settle(self) -> None:
+        """The calling thread's torch threads back once no compile runs (threads.yield_to_compile)."""
+        if not self.unfinished:
+            threads.reclaim()
 
     def _finished(self, _: Future) -> None:
         with self.lock:
@@ -116,6 +122,11 @@ class _Switch:
 
 
 _switch = _Switch()
+
+
+def settle_threads() -> None:
+    """The calling thread's torch threads as they were before background compiles, once none runs."""
+    _switch.settle()
 
 
 def compiles_finished() -> int:
@@ -411,6 +422,7 @@ def wait_for_compiles() -> None:
     # and the jobs given the compile thread without the cache (build/differentiable.py's): it runs
     # them in order, so a job given now finishes after them
     _background.submit(lambda: None).result()
+    _switch.settle()
 
 
 def programs() -> list[Program]:

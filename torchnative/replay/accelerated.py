@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.cache import calibration as _calibration
-from torchnative.cache.program_cache import background
+from torchnative.cache.program_cache import background, settle_threads
 from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects, sizes_erased
 from torchnative.replay.replayer import Replayer
@@ -60,6 +60,7 @@ class AcceleratedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         s = self.settings
         forward = self.__wrapped__
+        settle_threads()
         # inside a capture the outer session records; while calibrating every call is recorded
         if s.replay and current_handler() is None and not _calibration.active():
             # one call at a time: the replayer's traces and snapshots are one call's view of the module

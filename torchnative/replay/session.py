@@ -11,7 +11,7 @@ from torchnative.recording.scalars import PROCESS, FloatSites
 from torchnative.recording.trie import Recorded
 from torchnative.delegates import resolve
 from torchnative.interface import Delegate
-from torchnative.cache.program_cache import BACKGROUND, CACHE, DEFAULT_COMPILE_AFTER, program_for
+from torchnative.cache.program_cache import BACKGROUND, CACHE, DEFAULT_COMPILE_AFTER, program_for, settle_threads
 from torchnative.replay.tracer import Tracer
 from torchnative.shim import DoorMode, LazyTensor, current_handler, set_handler
 from torchnative.shim.data import recorded_data
@@ -57,6 +57,7 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         yield outer
         outer.flush()
         return
+    settle_threads()
     mode = DoorMode()
     background = BACKGROUND if background is None else background
     chosen = resolve(delegates)
