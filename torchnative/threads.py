@@ -71,12 +71,14 @@ def yield_to_compile() -> None:
 
 
 def reclaim() -> None:
-    """The calling thread's team as it was before `yield_to_compile` (no compile runs any more)."""
+    """The calling thread's team as it was before `yield_to_compile` (no compile runs any more),
+    unless the caller set another count meanwhile."""
     n = _yielded.pop(threading.get_ident(), None)
     if n is not None:
         import torch
 
-        torch.set_num_threads(n)
+        if torch.get_num_threads() == 1:
+            torch.set_num_threads(n)
 
 
 def on_one_thread(fn: Callable[..., Any], callers: int) -> Callable[..., Any]:
