@@ -216,3 +216,14 @@ def test_generate_at_a_new_prompt_length_every_call_keeps_eagers_tokens(cache):
         ids = torch.randint(0, 999, (1, length), generator=torch.Generator().manual_seed(length))
         assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs)), length
     assert torchnative.stats()["eager_calls"] > 0, torchnative.stats()
+
+
+def test_a_quantized_model_never_runs_a_call_as_eager():
+    """Its outputs are the int8 program's: a call run as eager would return the float model's."""
+    torch.manual_seed(0)
+    model, x = Decaying(16), torch.randn(4, 16)
+    torchnative.accelerate(model, delegates=["eager"], compile_after=None, quantize="int8")
+    with torch.no_grad():
+        for _ in range(12):
+            _step(model, x)
+    assert torchnative.stats()["eager_calls"] == 0 and torchnative.stats()["quantized"], torchnative.stats()

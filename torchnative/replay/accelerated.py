@@ -75,8 +75,9 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        # a call that will not replay (the last of its structure did not) may cost less on eager
-        weighed = sizes_erased(key) if key is not None and s.compile_after is None else None
+        # a call that will not replay (the last of its structure did not) may cost less on eager;
+        # not a quantized model's: its outputs would be the float model's on some calls
+        weighed = sizes_erased(key) if key is not None and s.compile_after is None and s.quantize is None else None
         started = time.perf_counter()
         elements = max(1, sum(x.numel() for x in leaves if isinstance(x, torch.Tensor)))
         if weighed is not None and not replayer.ready(key) and self._worth.eager_next(weighed):

@@ -6,7 +6,8 @@ to replay. A call that cannot replay (DUA's momentum: a Python float that change
 whose recording took longer than eager runs as eager torch — eager's results by construction.
 
 Per call structure — the guard key without its tensors' sizes, so that BERT at a new length every
-call is weighed as one — with the cost rule on (`compile_after=None`): the structure's second
+call is weighed as one — with the cost rule on (`compile_after=None`) and no `quantize=` (whose outputs are not eager's):
+the structure's second
 recorded call is timed (its first pays one-time work), the next one that has no trace to replay
 runs on eager and is timed, both as seconds per element of the argument tensors (the two calls may
 come at other sizes). While recording is the slower by more than _MARGIN, stretches of `gap` calls
