@@ -42,13 +42,14 @@ class _Costs:
 
 
 class Worth:
-    """Per accelerated module: guard key → the costs of its calls recorded and run on eager."""
+    """Per accelerated module: call structure (guard.sizes_erased) → the costs of its calls
+    recorded and run on eager."""
 
     def __init__(self) -> None:
         self.keys = Lru(_KEEP, "call costs")
 
     def eager_next(self, key: tuple) -> bool:
-        """Should the call with this guard key run on eager?"""
+        """Should the call of this structure run on eager?"""
         c = self.keys.get(key)
         if c is None:
             return False
@@ -72,8 +73,9 @@ class Worth:
         events.STATS.eager_calls += 1
 
     def recorded(self, key: tuple, seconds: float, elements: int, credit: list, compiling: bool) -> None:
-        """A recorded call of `elements` argument elements took `seconds`; `credit`: (cost-rule key, seconds) of its graphs' runs
-        on eager; `compiling`: one of them ran on eager while its program compiles in the background."""
+        """A recorded call of `elements` argument elements took `seconds`; `credit`: (cost-rule
+        key, seconds) of its graphs' runs on eager; `compiling`: one of them ran on eager while its
+        program compiles in the background."""
         c = self.keys.get(key)
         if c is None:
             c = self.keys[key] = _Costs()
