@@ -157,3 +157,28 @@ def test_the_compile_thread_runs_its_ops_on_one_torch_thread():
     background(True)(inside).result(timeout=60)
     torchnative.accelerate(model)(x)  # a call after the compile finished
     assert torch.get_num_threads() == callers
+
+
+def test_a_torch_compiled_function_runs_while_the_compile_thread_traces():
+    """fx's tracing flag is process-wide: a compile's make_fx on the background thread made a user's
+    torch.compile'd function, called meanwhile, raise "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function"."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tracing, done = threading.Event(), threading.Event()
+
+    def traced(x):
+        tracing.set()
+        done.wait(60)
+        return x + 1
+
+    compiled = torch.compile(lambda x: x * 2, backend="eager")
+    job = background(True)(lambda: make_fx(traced)(torch.randn(2)))
+    try:
+        assert tracing.wait(60)
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        done.set()
+    job.result(timeout=60)
+    torchnative.wait_for_compiles()
+    assert torch._dynamo.config.error_on_nested_fx_trace  # as it was, once no compile runs

@@ -91,17 +91,35 @@ threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futur
 _SWITCH_WHILE_COMPILING = 1e-4
 
 
+def _nested_fx_trace_errors(on: bool) -> bool:
+    """Dynamo's error for a compiled function called while fx traces, on or off for the calling
+    thread (Dynamo's config is per thread); was it on? The compile thread's tracing (make_fx,
+    torch.export, AOTAutograd) sets fx's tracing flag for the whole process, so a user's
+    torch.compile'd function called meanwhile raised "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function"; off, that call runs the function uncompiled.
+    Untouched if Dynamo was never imported."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    was = dynamo.config.error_on_nested_fx_trace
+    dynamo.config.error_on_nested_fx_trace = on
+    return was
+
+
 class _Switch:
     """The interpreter's switch interval, short while any background compile is unfinished."""
 
     def __init__(self) -> None:
         self.normal, self.unfinished, self.lock = sys.getswitchinterval(), 0, threading.Lock()
         self.finished = 0  # background builds done in this process (replay/worth.py looks for a new one)
+        self.unchecked: set[int] = set()  # threads whose nested-fx-trace error is off (_nested_fx_trace_errors)
 
     def submit(self, *args, **kwargs) -> Future:
         with self.lock:
             self.unfinished += 1
             sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
+            if threading.get_ident() not in self.unchecked and _nested_fx_trace_errors(False):
+                self.unchecked.add(threading.get_ident())
         fn, *rest = args
         job = _background.submit(threads.on_one_thread(fn, threads.for_programs()), *rest, **kwargs)
         job.add_done_callback(self._finished)
@@ -109,9 +127,13 @@ class _Switch:
         return job
 
     def settle(self) -> None:
-        """The calling thread's torch threads back once no compile runs (threads.yield_to_compile)."""
+        """The calling thread's torch threads (threads.yield_to_compile) and Dynamo's check back
+        once no compile runs."""
         if not self.unfinished:
             threads.reclaim()
+            if self.unchecked and threading.get_ident() in self.unchecked:
+                self.unchecked.discard(threading.get_ident())
+                _nested_fx_trace_errors(True)
 
     def _finished(self, _: Future) -> None:
         with self.lock:
