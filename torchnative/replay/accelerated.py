@@ -75,15 +75,16 @@ class AcceleratedForward:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
         key = guard_key(self.model, leaves, spec, replayer.snapshots)
-        # a call that will not replay (the last of its structure did not) may cost less on eager;
-        # not a quantized model's: its outputs would be the float model's on some calls
-        weighed = sizes_erased(key) if key is not None and s.compile_after is None and s.quantize is None else None
         started = time.perf_counter()
-        elements = max(1, sum(x.numel() for x in leaves if isinstance(x, torch.Tensor)))
-        if weighed is not None and not replayer.ready(key) and self._worth.eager_next(weighed):
-            out = forward(*args, **kwargs)
-            self._worth.ran_eager(weighed, time.perf_counter() - started, elements)
-            return out
+        # a call with no trace to replay may cost less on eager (replay/worth.py); not a quantized
+        # model's: its outputs would be the float model's on some calls
+        weighed = key is not None and s.compile_after is None and s.quantize is None and not replayer.ready(key)
+        if weighed:
+            structure, elements = sizes_erased(key), _elements(leaves)
+            if self._worth.eager_next(structure):
+                out = forward(*args, **kwargs)
+                self._worth.ran_eager(structure, time.perf_counter() - started, elements)
+                return out
         named = self._submodules()
         hooked, hook_set = foreign_hook(named), hooks_of(named)
         if hooked is None:
@@ -104,8 +105,8 @@ class AcceleratedForward:
         elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
         replayer.learn(key, tracer, leaves, out, before)
-        if weighed is not None:
-            self._worth.recorded(weighed, time.perf_counter() - started, elements, tracer.costs, tracer.compiling)
+        if weighed:
+            self._worth.recorded(structure, time.perf_counter() - started, elements, tracer.costs, tracer.compiling)
         return out
 
     def _submodules(self) -> list[tuple[str, torch.nn.Module]]:
@@ -126,6 +127,11 @@ class AcceleratedForward:
 
     def __deepcopy__(self, memo: dict) -> "AcceleratedForward":
         return AcceleratedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo), self.settings)
+
+
+def _elements(leaves: list) -> int:
+    """The argument tensors' elements (at least 1): what a call's seconds are divided by."""
+    return max(1, sum(x.numel() for x in leaves if isinstance(x, torch.Tensor)))
 
 
 def _opaque_to_dynamo() -> None:
