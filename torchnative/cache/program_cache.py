@@ -107,7 +107,10 @@ def _nested_fx_trace_errors(on: bool) -> bool:
 
 
 class _Switch:
-    """The interpreter's switch interval, short while any background compile is unfinished."""
+    """What changes for the rest of the process while any background compile is unfinished: the
+    interpreter's switch interval (short), the asking thread's torch threads (one: threads.
+    yield_to_compile) and Dynamo's nested-fx-trace error (off for that thread); the last two
+    come back at that thread's next call (`settle`)."""
 
     def __init__(self) -> None:
         self.normal, self.unfinished, self.lock = sys.getswitchinterval(), 0, threading.Lock()
