@@ -50,16 +50,19 @@ class Replayer:
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
 
+    def _ready(self, key: tuple) -> _Entry | None:
+        entry = self.entries.get(key)
+        return entry if entry is not None and (entry.seen >= 2 or entry.run >= 2) else None
+
     def ready(self, key: tuple) -> bool:
         """Is there a trace these guards may replay?"""
-        entry = self.entries.get(key)
-        return entry is not None and (entry.seen >= 2 or entry.run >= 2)
+        return self._ready(key) is not None
 
     def replay(self, key: tuple, leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
         """`hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
-        if not self.ready(key):
+        entry = self._ready(key)
+        if entry is None:
             return False, None
-        entry = self.entries.get(key)
         out = run(entry.trace, leaves, self.snapshots, self.submit, hook_set)
         if type(out) is Miss:
             events.STATS.replay_misses += 1
