@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from torchnative.bundle import buckets, dynamic as dynamic_sizes
+from torchnative.bundle import buckets, dynamic as dynamic_sizes, kv_cache
 from torchnative.bundle.format import BundleError
 from torchnative.delegates import resolve
 from torchnative.passes.pin import name_tensors
@@ -222,15 +222,17 @@ def _cache_argument(model: torch.nn.Module) -> str:
 
 
 class _CacheStep(torch.nn.Module):
-    """One call of a causal LM over a static cache: the logits of `input_ids` at `cache_position`."""
+    """One call of a causal LM over the bundle's KV cache (bundle/kv_cache.py): the logits of
+    `input_ids` at `cache_position`, attending through masks made from those positions."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, cache: Any) -> dict[str, torch.Tensor]:
-        out = self.model(input_ids=input_ids, cache_position=cache_position, use_cache=True,
-                         **{_cache_argument(self.model): cache})
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, cache: kv_cache.KVState) -> dict[str, torch.Tensor]:
+        out = self.model(input_ids=input_ids, position_ids=cache_position[None],
+                         attention_mask=kv_cache.masks(self.model, cache, cache_position), use_cache=True,
+                         **{_cache_argument(self.model): kv_cache.step_cache(cache, cache_position)})
         return {"logits": out.logits}
 
 
@@ -312,6 +314,28 @@ def _calls(model: torch.nn.Module, prefill_len: int, seed: int) -> dict[str, tup
                                              "encoder_hidden_states": states, "encoder_attention_mask": mask}, True)}
 
 
+def _check_kv_cache(model: torch.nn.Module, cache: kv_cache.KVState, prefill_len: int) -> None:
+    """The bundle's cache and masks give the model's own logits: a sequence past the smallest
+    window (so the rings wrap) in prefill chunks then single tokens, against one call of the model
+    on all of it without a cache. A model that makes its masks its own way is refused, not wrong."""
+    windows = [w for w in cache.layout.windows if w is not None and w < cache.layout.cache_len]
+    n = min(cache.layout.cache_len, max(2 * prefill_len, min(windows, default=0) + prefill_len + 2))
+    ids = torch.randint(2, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    step, got, at = _CacheStep(model), [], 0
+    with torch.no_grad():
+        while at < n:
+            width = prefill_len if n - at >= prefill_len else 1
+            got.append(step(ids[:, at:at + width], torch.arange(at, at + width), cache)["logits"])
+            at += width
+        expected = model(input_ids=ids, use_cache=False).logits
+    got = torch.cat(got, dim=1)
+    diff = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+    if not diff < 1e-4:
+        raise BundleError(f"{type(model).__name__} over a bundle's KV cache gives other logits than the model "
+                          f"alone (max rel diff {diff:.2g} over {n} tokens): its attention does not follow the "
+                          f"prepared masks the bundle passes. Capture one call instead (--no-generate)")
+
+
 def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, quantize: str | None = None,
                        cache_len: int = 128, prefill_len: int = 16, seed: int = 1) -> Compiled:
     """A generating model as methods over one static KV cache, the bundle's state. A causal LM:
@@ -331,12 +355,13 @@ def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, qu
     model.eval()
     name_tensors(model)
     calls = _calls(model, prefill_len, seed)
-    cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    with torch.no_grad():  # the cache makes its tensors on the first call: not in a graph
-        for module, inputs, cached in calls.values():
-            if cached:
-                module(**inputs, cache=cache)
-                break
+    if model.config.is_encoder_decoder:
+        cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        with torch.no_grad():  # the cache makes its tensors on the first call: not in a graph
+            calls["decode"][0](**calls["decode"][1], cache=cache)
+    else:
+        cache = kv_cache.KVState(kv_cache.layout(model, cache_len))
+        _check_kv_cache(model, cache, prefill_len)  # and the cache makes its tensors: not in a graph
     cache.reset()
     states = state_tensors(cache)
     if any(t.any() for t in states.values()):
