@@ -6,9 +6,10 @@ and one decode method serve every position.
 
 A full-attention layer holds `cache_len` positions, position p at slot p. A sliding-window layer
 whose window is shorter than that holds a ring of `window` slots, position p at slot p % window:
-a call attends over the ring as it was before the call followed by the call's own keys (a chunk
-of new tokens may evict positions its first tokens still see), then writes its last `window`
-positions into the ring. transformers' sliding caches count their length in Python (the mask's
+a chunk of tokens attends over the ring as it was before the call followed by its own keys (it
+may evict positions its first tokens still see), then writes its last `window` positions into the
+ring; a single token (decode) writes its slot first and attends over the ring, so the state is
+read only through its write (a delegate keeps it as its own state: Core ML's). transformers' sliding caches count their length in Python (the mask's
 offset and which branch `update` takes), which a bundle would replay at the captured position."""
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ def _update(state: KVState, layer: int, positions: torch.Tensor, keys: torch.Ten
         k.index_copy_(2, positions, keys)
         v.index_copy_(2, positions, values)
         return k, v
+    if keys.shape[2] == 1:  # one token evicts a position it no longer sees: attend over the ring as written
+        slots = positions.remainder(ring)
+        k.index_copy_(2, slots, keys)
+        v.index_copy_(2, slots, values)
+        return k, v
     seen_k, seen_v = torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)  # copies, read before the write
     last = min(ring, keys.shape[2])  # the call's last `ring` positions evict the oldest
     slots = positions[-last:].remainder(ring)
@@ -101,8 +107,10 @@ def _key_positions(layout: Layout, layer: int, positions: torch.Tensor) -> torch
     ring = layout.ring(layer)
     if ring is None:
         return torch.arange(layout.cache_len)
-    before = positions[0] - 1  # the ring's newest position before the call
     slots = torch.arange(ring)
+    if positions.shape[0] == 1:  # the ring as the token wrote it
+        return positions[0] - (positions[0] - slots).remainder(ring)
+    before = positions[0] - 1  # the ring's newest position before the call, then the call's own
     return torch.cat([before - (before - slots).remainder(ring), positions])
 
 
