@@ -52,18 +52,19 @@ def _bundle(arch: str, tmp: Path, *extra: str) -> tuple[Path, Path]:
     return out, config
 
 
-def _fresh_generate(bundle: Path, tmp: Path, prompt_tokens: bool = True) -> torch.Tensor:
+def _fresh_generate(bundle: Path, tmp: Path, prompt_tokens: bool = True, prompt: torch.Tensor = PROMPT,
+                    new: int = NEW) -> torch.Tensor:
     """`torchnative run --generate` in a new process: its tokens (with the prompt's, as
     transformers returns them: a causal LM's after the prompt, an encoder-decoder's after the start)."""
-    np.save(tmp / "prompt.npy", PROMPT.numpy())
-    done = subprocess.run([sys.executable, "-m", "torchnative.cli", "run", str(bundle), "--generate", str(NEW),
+    np.save(tmp / "prompt.npy", prompt.numpy())
+    done = subprocess.run([sys.executable, "-m", "torchnative.cli", "run", str(bundle), "--generate", str(new),
                            "--input", f"input_ids={tmp / 'prompt.npy'}", "--save", str(tmp / "tokens.npz")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens/s (decode)" in done.stderr
     with np.load(tmp / "tokens.npz") as saved:
         tokens = torch.from_numpy(saved["tokens"])
-    printed = tokens[0, PROMPT.shape[1] if prompt_tokens else 1:]
+    printed = tokens[0, prompt.shape[1] if prompt_tokens else 1:]
     assert done.stdout.split("\n")[0].split() == [str(t) for t in printed.tolist()]
     return tokens
 
@@ -150,8 +151,8 @@ def test_bad_prompts_and_states(good):
         loaded.generate(torch.zeros(1, 60, dtype=torch.long), max_new_tokens=8)
     with pytest.raises(BundleError, match=r"int64 token ids of shape \[1, n\], got torch.int32\[1, 4\]"):
         loaded.generate(torch.zeros(1, 4, dtype=torch.int32))
-    with pytest.raises(BundleError, match=r"state 'cache.layers.0.keys' is float32\[1, 4, 64, 16\], got float32\[1, 4, 32, 16\]"):
-        loaded.set_state("cache.layers.0.keys", torch.zeros(1, 4, 32, 16))
+    with pytest.raises(BundleError, match=r"state 'cache.keys.0' is float32\[1, 4, 64, 16\], got float32\[1, 4, 32, 16\]"):
+        loaded.set_state("cache.keys.0", torch.zeros(1, 4, 32, 16))
     with pytest.raises(BundleError, match=r"'cache.nothing' is not a state"):
         loaded.set_state("cache.nothing", torch.zeros(1))
     with pytest.raises(BundleError, match=r"has methods \['decode', 'prefill'\]: call one of them"):
@@ -177,9 +178,9 @@ def _undeclared(m: dict) -> None:
 @pytest.mark.parametrize("change, message", [
     (lambda m: m.pop("state"), r"the state spec in .* is missing or malformed"),
     (lambda m: m["state"][0].pop("init"), r"the state spec in .* is missing or malformed"),
-    (_shape, r"reads state 'cache.layers.0.keys' as float32\[1, 4, 64, 16\], which the manifest's state spec declares "
+    (_shape, r"reads state 'cache.keys.0' as float32\[1, 4, 64, 16\], which the manifest's state spec declares "
              r"float32\[1, 4, 32, 16\]: the manifest was tampered with"),
-    (_undeclared, r"reads state 'cache.layers.0.keys' .* does not declare"),
+    (_undeclared, r"reads state 'cache.keys.0' .* does not declare"),
 ])
 def test_tampered_state_spec(good, tmp_path, change, message):
     copy = tmp_path / "copy.bundle"
@@ -189,14 +190,95 @@ def test_tampered_state_spec(good, tmp_path, change, message):
         torchnative.load(copy)
 
 
-def test_a_cache_that_counts_in_python_is_refused(tmp_path):
-    """A sliding-window cache keeps its length as a Python int that the next call's mask reads: a
-    bundle (no Python) would replay the captured position. Refused, not wrong."""
-    config = models.transformers_model("MistralForCausalLM", "tiny").config.to_dict()
-    config["sliding_window"] = 4096
-    (tmp_path / "c.json").write_text(json.dumps(config))
-    model = models.transformers_model("MistralForCausalLM", str(tmp_path / "c.json"), use_cache=True)
-    with pytest.raises(BundleError, match=r"changes Python state of cache \(StaticCache\).*sliding-window"):
+WINDOW, SLIDING_CACHE = 8, 96
+# a prompt of two prefills and five decodes: longer than the window, and so are the new tokens
+LONG = torch.randint(2, 1000, (1, 2 * PREFILL + 5), generator=torch.Generator().manual_seed(3))
+_SMALL = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+              vocab_size=1000, max_position_embeddings=256)
+# initial weights that make varied tokens (Gemma's scaled embeddings want transformers' default)
+SLIDING = {"MistralForCausalLM": dict(_SMALL, initializer_range=0.2),
+           "Gemma2ForCausalLM": dict(_SMALL, head_dim=16),  # alternating local and global layers
+           "Gemma3ForCausalLM": dict(_SMALL, num_hidden_layers=6, head_dim=16),  # five local layers to a global one
+           "Qwen2ForCausalLM": dict(_SMALL, use_sliding_window=True, max_window_layers=2, initializer_range=0.2),
+           "Phi3ForCausalLM": dict(_SMALL, pad_token_id=0, initializer_range=0.2)}
+
+
+def _sliding(arch: str, tmp: Path, window: int = WINDOW) -> tuple[Path, torch.nn.Module]:
+    path = tmp / f"{arch}-{window}.json"
+    path.write_text(json.dumps({**SLIDING[arch], "sliding_window": window}))
+    return path, models.transformers_model(arch, str(path), use_cache=True)
+
+
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_bundles_generate_eager_tokens_past_the_window(arch, tmp_path):
+    """Mistral, Gemma 2, Gemma 3 (mixed layers), Qwen2 with a sliding window and Phi-3: the
+    window's keys and values a ring of WINDOW slots in the bundle's state, a prompt and a
+    generation longer than the window, the bundle run in a fresh process."""
+    config, model = _sliding(arch, tmp_path)
+    out = tmp_path / "b"
+    assert cli.main(["capture-and-compile", f"transformers:{arch}", "--config", str(config), "--out", str(out),
+                     "--targets", "ort", "--cache-len", str(SLIDING_CACHE), "--prefill-len", str(PREFILL)]) == 0
+    with torch.no_grad():
+        expected = model.generate(LONG, max_new_tokens=48, do_sample=False)
+        wide = _sliding(arch, tmp_path, window=SLIDING_CACHE)[1].generate(LONG, max_new_tokens=48, do_sample=False)
+    assert (expected != wide).sum() > 10  # the window decides the tokens
+    assert torch.equal(_fresh_generate(out, tmp_path, prompt=LONG, new=48), expected)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {p["delegate"] for m in manifest["methods"].values() for g in m["programs"] for p in g["partitions"]} == {"ort"}
+    sizes = [s["shape"][2] for s in manifest["state"] if s["name"].startswith("cache.keys.")]
+    kinds = getattr(model.config, "layer_types", None) or ["sliding_attention"] * model.config.num_hidden_layers
+    assert sizes == [WINDOW if k == "sliding_attention" else SLIDING_CACHE for k in kinds]
+
+
+def test_a_window_shorter_than_a_prefill_chunk_wraps_the_ring_inside_the_chunk(tmp_path):
+    model = _sliding("Gemma3ForCausalLM", tmp_path, window=3)[1]
+    save(compile_generation(model, ["eager"], cache_len=CACHE, prefill_len=PREFILL), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(LONG, max_new_tokens=24), model.generate(LONG, max_new_tokens=24, do_sample=False))
+
+
+def test_a_cache_of_windows_only_takes_sequences_longer_than_its_cache_length(tmp_path):
+    """Mistral's layers are all sliding: its state is rings only, and positions run on past the
+    cache length to the model's max_position_embeddings."""
+    model = _sliding("MistralForCausalLM", tmp_path)[1]
+    save(compile_generation(model, ["eager"], cache_len=16, prefill_len=PREFILL), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    assert {tuple(t.shape) for t in loaded.states.values()} == {(1, 2, WINDOW, 16)}
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(LONG, max_new_tokens=48), model.generate(LONG, max_new_tokens=48, do_sample=False))
+    with pytest.raises(BundleError, match=r"need 257 positions; the model takes 256 \(max_position_embeddings\)"):
+        loaded.generate(torch.ones(1, 250, dtype=torch.long), max_new_tokens=8)
+
+
+@pytest.mark.slow  # ~60 s of .pte lowering
+def test_a_sliding_window_bundle_on_xnnpack(tmp_path):
+    model = _sliding("MistralForCausalLM", tmp_path)[1]
+    save(compile_generation(model, ["xnnpack"], cache_len=CACHE, prefill_len=PREFILL), tmp_path / "b", "test")
+    loaded = torchnative.load(tmp_path / "b")
+    assert "xnnpack" in {p["delegate"] for m in loaded.manifest["methods"].values() for g in m["programs"]
+                         for p in g["partitions"]}
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(LONG, max_new_tokens=48), model.generate(LONG, max_new_tokens=48, do_sample=False))
+
+
+def test_layers_with_other_state_are_refused_by_kind(tmp_path):
+    """LFM2's convolution layers keep a conv state a generating bundle does not carry."""
+    import transformers
+
+    config = transformers.Lfm2Config(**{k: v for k, v in _SMALL.items() if k != "max_position_embeddings"},
+                                     full_attn_idxs=[1, 3])
+    with pytest.raises(BundleError, match=r"layers \[0, 2\] are 'conv'.*--no-generate"):
+        compile_generation(transformers.Lfm2ForCausalLM(config).eval(), ["eager"], cache_len=CACHE, prefill_len=PREFILL)
+
+
+def test_a_model_that_makes_its_own_mask_is_refused(tmp_path):
+    """A bundle's masks come from positions; a model that ignores the mask it is given would
+    attend with a mask made from Python counters (or none): refused at build, not wrong."""
+    model = _sliding("MistralForCausalLM", tmp_path)[1]
+    forward = model.model.forward
+    model.model.forward = lambda *a, attention_mask=None, **k: forward(*a, **k)
+    with pytest.raises(BundleError, match="did not take the prepared mask"):
         compile_generation(model, ["eager"], cache_len=CACHE, prefill_len=PREFILL)
 
 

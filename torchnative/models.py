@@ -22,10 +22,7 @@ PRESETS: dict[str, dict[str, dict]] = {
                            intermediate_size=1408, vocab_size=32000)},
     "qwen3": {"tiny": dict(**_TINY, num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=256),
               "base": {}},
-    # sliding_window None as Mistral 7B from v0.2: a sliding-window cache counts positions in Python
-    "mistral": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
-                             sliding_window=None),
-                "base": {}},
+    "mistral": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256), "base": {}},
     "qwen2": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256), "base": {}},
     "t5": {"tiny": dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
                        decoder_start_token_id=0),

@@ -270,7 +270,7 @@ class _DecoderStep(torch.nn.Module):
 
 def state_tensors(obj: Any, path: str = "cache") -> dict[str, torch.Tensor]:
     """The tensors an object holds (its attributes, lists and dicts, recursively), by path:
-    "cache.layers.0.keys"."""
+    "cache.keys.0"."""
     found: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
 
@@ -384,4 +384,6 @@ def compile_generation(model: torch.nn.Module, targets: Sequence[str] | None, qu
                           start=config.decoder_start_token_id or 0)
     else:
         generation["prefill"] = "prefill"
+        if all(cache.layout.ring(i) for i in range(len(cache.layout.kinds))):  # rings only: no position runs out
+            generation["max_positions"] = getattr(model.config, "max_position_embeddings", None) or cache_len
     return Compiled(methods, weight_names(model), {id(t): (n, t) for n, t in states.items()}, generation)

@@ -26,7 +26,7 @@ def _prompt(spec: dict, input_ids: torch.Tensor, max_new_tokens: int) -> None:
             or input_ids.dtype != torch.int64:
         got = f"{input_ids.dtype}{list(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise BundleError(f"generate takes the prompt as int64 token ids of shape [1, n], got {got}")
-    n, room = input_ids.shape[1], spec["cache_len"]
+    n, room = input_ids.shape[1], spec.get("max_positions", spec["cache_len"])
     if n == 0:
         raise BundleError("generate needs a prompt of at least one token")
     if max_new_tokens < 0:
@@ -38,6 +38,9 @@ def _prompt(spec: dict, input_ids: torch.Tensor, max_new_tokens: int) -> None:
         n = 1  # the decoder's start token
     # the last new token is returned, never written: the cache holds n + max_new_tokens - 1 positions
     if n + max(max_new_tokens, 1) - 1 > room:
+        if "max_positions" in spec:  # a cache of sliding windows only: the model's positions end
+            raise BundleError(f"a prompt of {n} tokens and {max_new_tokens} new tokens need {n + max_new_tokens - 1} "
+                              f"positions; the model takes {room} (max_position_embeddings)")
         raise BundleError(f"a prompt of {n} tokens and {max_new_tokens} new tokens need {n + max_new_tokens - 1} "
                           f"cache positions; this bundle's KV cache holds {room}. Shorten the prompt or write the "
                           f"bundle again with a longer --cache-len")
