@@ -262,6 +262,29 @@ def test_a_sliding_window_bundle_on_xnnpack(tmp_path):
         assert torch.equal(loaded.generate(LONG, max_new_tokens=48), model.generate(LONG, max_new_tokens=48, do_sample=False))
 
 
+def test_a_one_call_bundle_of_a_causal_lm_whose_config_caches(tmp_path, capsys):
+    """A factory's Mistral keeps transformers' use_cache=True (a DynamicCache in its outputs):
+    --no-generate captures the call with use_cache=False, says so, and the bundle gives eager's logits."""
+    (tmp_path / "factory.py").write_text(
+        "import json, torch, transformers\n"
+        f"def mistral():\n    torch.manual_seed(0)\n    return transformers.MistralForCausalLM(transformers.MistralConfig(**json.loads({json.dumps(json.dumps(dict(SLIDING['MistralForCausalLM'], sliding_window=WINDOW)))})))\n")
+    out = tmp_path / "one"
+    assert cli.main(["capture-and-compile", f"{tmp_path / 'factory.py'}:mistral", "--no-generate", "--targets", "ort",
+                     "--out", str(out)]) == 0
+    assert "captured with use_cache=False" in " ".join(capsys.readouterr().out.split())
+    loaded = torchnative.load(out)
+    torch.manual_seed(0)
+    import transformers
+
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**dict(SLIDING["MistralForCausalLM"], sliding_window=WINDOW)))
+    assert model.config.use_cache
+    ids = torch.randint(2, 1000, (1, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(1, 16, dtype=torch.long)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(loaded(input_ids=ids, attention_mask=mask)["logits"], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_layers_with_other_state_are_refused_by_kind(tmp_path):
     """LFM2's convolution layers keep a conv state a generating bundle does not carry."""
     import transformers

@@ -60,6 +60,7 @@ class Compiled:
     weight_names: dict[int, str]       # id(parameter or buffer) -> its name in the model
     states: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # id -> (name, tensor)
     generation: dict | None = None     # how `Bundle.generate` drives the methods (see `compile_generation`)
+    notes: list[str] = field(default_factory=list)  # what the capture chose that a user should know
 
 
 def leaf_name(path: tuple) -> str:
@@ -141,7 +142,19 @@ def weight_names(model: torch.nn.Module) -> dict[int, str]:
 def compile_call(model: torch.nn.Module, inputs: dict[str, torch.Tensor], targets: Sequence[str] | None,
                  quantize: str | None = None, dynamic: dynamic_sizes.Dynamic | None = None) -> Compiled:
     """Capture `model(**inputs)` and compile each of its graphs for `targets` (preference order);
-    with `dynamic`, for every size of its dims in the range (bundle/dynamic.py)."""
+    with `dynamic`, for every size of its dims in the range (bundle/dynamic.py). A model that
+    generates is captured with `use_cache=False` unless the inputs say otherwise: one call's
+    outputs, no KV cache object (a bundle carries a cache only as a generating bundle's state)."""
+    config = getattr(model, "config", None)
+    if generates(model) and getattr(config, "use_cache", False) and "use_cache" not in inputs:
+        config.use_cache = False
+        try:
+            compiled = compile_call(model, inputs, targets, quantize, dynamic)
+        finally:
+            config.use_cache = True
+        compiled.notes.append("captured with use_cache=False (the config's use_cache=True would return a KV cache "
+                              "object): one call's outputs; a generating bundle is --generate")
+        return compiled
     reference = prepare_model(model, inputs)
     if dynamic is not None and not all(d.dynamic for d in resolve(targets)):
         return _bucketed(model, inputs, reference, targets, quantize, dynamic)

@@ -106,6 +106,8 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
     other.add_row("fallbacks", "; ".join(f"{n}× {why}" for why, n in reasons.items()) or "none")
     for (op, d, why), n in declined.most_common(8):
         other.add_row(f"declined by {d}", f"{n}× {op}: {why[:120]}")
+    for note in compiled.notes:
+        other.add_row("note", note)
     other.add_row("check", "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in diffs.items())
                   + " (the saved bundle, loaded back, vs eager)")
     rows.append(other)
