@@ -24,6 +24,12 @@ PRESETS: dict[str, dict[str, dict]] = {
               "base": {}},
     "mistral": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256), "base": {}},
     "qwen2": {"tiny": dict(**_TINY, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256), "base": {}},
+    # five sliding-window layers to a global one; "base": Gemma 3 270M's shapes, a 32000-token
+    # vocabulary and a window of 32 (so a short chat passes it)
+    "gemma3_text": {"tiny": dict(**_TINY, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+                                 max_position_embeddings=256, sliding_window=16),
+                    "base": dict(hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+                                 num_key_value_heads=1, head_dim=256, vocab_size=32000, sliding_window=32)},
     "t5": {"tiny": dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=1000,
                        decoder_start_token_id=0),
            "base": {}},
@@ -32,7 +38,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     "resnet": {"tiny": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"), "base": {}},
 }
 # the short names of the demo, tests and benchmarks
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "BertModel", "vit": "ViTModel",
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "bert": "BertModel", "vit": "ViTModel",
                  "resnet": "ResNetModel"}
 BUILDERS = ARCHITECTURES  # names accepted by `build`
 DEFAULT_MODEL = "transformers:GPT2LMHeadModel"
