@@ -251,10 +251,11 @@ def test_a_cache_of_windows_only_takes_sequences_longer_than_its_cache_length(tm
         loaded.generate(torch.ones(1, 250, dtype=torch.long), max_new_tokens=8)
 
 
-@pytest.mark.slow  # ~60 s of .pte lowering
-def test_a_sliding_window_bundle_on_xnnpack(tmp_path):
-    model = _sliding("MistralForCausalLM", tmp_path)[1]
-    save(compile_generation(model, ["xnnpack"], cache_len=CACHE, prefill_len=PREFILL), tmp_path / "b", "test")
+@pytest.mark.slow  # ~60 s of .pte lowering each
+@pytest.mark.parametrize("arch", list(SLIDING))
+def test_sliding_window_bundles_on_xnnpack(arch, tmp_path):
+    model = _sliding(arch, tmp_path)[1]
+    save(compile_generation(model, ["xnnpack"], cache_len=SLIDING_CACHE, prefill_len=PREFILL), tmp_path / "b", "test")
     loaded = torchnative.load(tmp_path / "b")
     assert "xnnpack" in {p["delegate"] for m in loaded.manifest["methods"].values() for g in m["programs"]
                          for p in g["partitions"]}
