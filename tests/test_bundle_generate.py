@@ -286,6 +286,24 @@ def test_a_one_call_bundle_of_a_causal_lm_whose_config_caches(tmp_path, capsys):
     assert torch.allclose(loaded(input_ids=ids, attention_mask=mask)["logits"], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_a_call_that_counts_in_python_is_refused():
+    """State kept as a Python int that the next call reads (transformers' sliding caches keep
+    one): a bundle would replay the captured count. Refused, not wrong."""
+    from torchnative.bundle.build import capture_call
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor, counter: Counter) -> torch.Tensor:
+            counter.n += 1
+            return x * counter.n
+
+    with pytest.raises(BundleError, match=r"changes Python state of counter \(Counter\).*Keep such counts in tensors"):
+        capture_call(Step(), {"x": torch.ones(2), "counter": Counter()})
+
+
 def test_layers_with_other_state_are_refused_by_kind(tmp_path):
     """LFM2's convolution layers keep a conv state a generating bundle does not carry."""
     import transformers

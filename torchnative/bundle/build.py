@@ -86,10 +86,10 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
     after = {i: Snapshot(v) for i, v in objects.items()}
     names = list(inputs)
     changed = [f"{names[i]} ({type(v).__name__})" for i, v in objects.items() if after[i].state != before[i].state]
-    if changed:  # a Python counter (a sliding-window cache's length) that the next call reads: a bundle has no Python
+    if changed:  # a Python counter (transformers' sliding-window caches keep one) that the next call reads: a bundle has no Python
         raise BundleError(f"the call of {type(model).__name__} changes Python state of {', '.join(changed)} that later "
-                          f"calls read (a counter, not a tensor); a bundle carries only tensors as state. A sliding-"
-                          f"window cache keeps such a counter: capture a model without a sliding window")
+                          f"calls read (a counter, not a tensor); a bundle carries only tensors as state. Keep such "
+                          f"counts in tensors (a generating bundle's own KV cache does: bundle/kv_cache.py)")
     is_weight = lambda x: isinstance(x, torch.nn.Parameter) or id(x) in buffers  # noqa: E731
     try:
         with torch.no_grad():
