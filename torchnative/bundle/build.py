@@ -343,7 +343,7 @@ def _check_kv_cache(model: torch.nn.Module, cache: kv_cache.KVState, prefill_len
         expected = model(input_ids=ids, use_cache=False).logits
     got = torch.cat(got, dim=1)
     diff = ((got - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
-    if not diff < 1e-4:
+    if not diff < (1e-4 if got.dtype == torch.float32 else 3e-2):  # half types round per op, in another order here
         raise BundleError(f"{type(model).__name__} over a bundle's KV cache gives other logits than the model "
                           f"alone (max rel diff {diff:.2g} over {n} tokens): its attention does not follow the "
                           f"prepared masks the bundle passes. Capture one call instead (--no-generate)")
