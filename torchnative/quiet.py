@@ -7,7 +7,7 @@ import, transformers lazily, when a model is built) logs each CUDA kernel librar
 cannot load and its enums registered as pytree constants, which torch deprecates; torch warns
 about its own `LeafSpec` when it copies an exported program. And what a toolchain says while it
 works for us (coremltools' passes and progress bars, onnxruntime.quantization's advice, the
-exporters' warnings), dropped only for the thread inside `quiet()`: compiles run beside the user's
+exporters' warnings, coreai-torch's progress on stdout), dropped only for the thread inside `quiet()`: compiles run beside the user's
 code, and the warnings, log records and stderr lines that code writes meanwhile are theirs.
 `native_notes_dropped` does the same for a native library that writes to file descriptor 2.
 """
@@ -55,8 +55,9 @@ def _showwarnmsg(message: warnings.WarningMessage) -> None:
         _original_showwarnmsg(message)
 
 
-class _StderrRouter:
-    """sys.stderr while a thread is quiet: that thread's writes (tqdm bars) go nowhere, others' through."""
+class _Router:
+    """sys.stderr and sys.stdout while a thread is quiet: that thread's writes (tqdm and rich
+    progress bars) go nowhere, others' through."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -99,7 +100,7 @@ def _enter() -> None:
             _attached[:] = [h for h in _handlers() if h is not None]
             for h in _attached:
                 h.addFilter(_drop_quiet_thread)
-            sys.stderr = _StderrRouter(sys.stderr)
+            sys.stderr, sys.stdout = _Router(sys.stderr), _Router(sys.stdout)
 
 
 def _exit() -> None:
@@ -110,8 +111,10 @@ def _exit() -> None:
             for h in _attached:
                 h.removeFilter(_drop_quiet_thread)
             _attached.clear()
-            if isinstance(sys.stderr, _StderrRouter):  # unless the user replaced it meanwhile
+            if isinstance(sys.stderr, _Router):  # unless the user replaced it meanwhile
                 sys.stderr = sys.stderr.stream
+            if isinstance(sys.stdout, _Router):
+                sys.stdout = sys.stdout.stream
 
 
 @contextlib.contextmanager

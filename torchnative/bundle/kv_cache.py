@@ -76,6 +76,12 @@ class KVState:
                 t.zero_()
 
 
+def _mod(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x mod n, non-negative; written with a floor division, which every delegate here converts
+    (Core AI has no remainder)."""
+    return x - torch.div(x, n, rounding_mode="floor") * n
+
+
 def _update(state: KVState, layer: int, positions: torch.Tensor, keys: torch.Tensor,
             values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ring = state.layout.ring(layer)
@@ -89,13 +95,13 @@ def _update(state: KVState, layer: int, positions: torch.Tensor, keys: torch.Ten
         v.index_copy_(2, positions, values)
         return k, v
     if keys.shape[2] == 1:  # one token evicts a position it no longer sees: attend over the ring as written
-        slots = positions.remainder(ring)
+        slots = _mod(positions, ring)
         k.index_copy_(2, slots, keys)
         v.index_copy_(2, slots, values)
         return k, v
     seen_k, seen_v = torch.cat([k, keys], dim=2), torch.cat([v, values], dim=2)  # copies, read before the write
     last = min(ring, keys.shape[2])  # the call's last `ring` positions evict the oldest
-    slots = positions[-last:].remainder(ring)
+    slots = _mod(positions[-last:], ring)
     k.index_copy_(2, slots, keys[:, :, -last:])
     v.index_copy_(2, slots, values[:, :, -last:])
     return seen_k, seen_v
@@ -109,9 +115,9 @@ def _key_positions(layout: Layout, layer: int, positions: torch.Tensor) -> torch
         return torch.arange(layout.cache_len)
     slots = torch.arange(ring)
     if positions.shape[0] == 1:  # the ring as the token wrote it
-        return positions[0] - (positions[0] - slots).remainder(ring)
+        return positions[0] - _mod(positions[0] - slots, ring)
     before = positions[0] - 1  # the ring's newest position before the call, then the call's own
-    return torch.cat([before - (before - slots).remainder(ring), positions])
+    return torch.cat([before - _mod(before - slots, ring), positions])
 
 
 def _mask(layout: Layout, layer: int, positions: torch.Tensor, dtype: torch.dtype, additive: bool) -> torch.Tensor:

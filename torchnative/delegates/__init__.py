@@ -5,10 +5,10 @@ import functools
 import warnings
 from typing import Sequence
 
-from torchnative.delegates import coreml, eager, hf_candle, iree, ort, qnn, xnnpack
+from torchnative.delegates import coreai, coreml, eager, hf_candle, iree, ort, qnn, xnnpack
 from torchnative.interface import Delegate
 
-REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, iree.vulkan, iree.cpu,
+REGISTRY: dict[str, Delegate] = {d.name: d for d in (xnnpack.delegate, ort.delegate, qnn.delegate, coreml.delegate, coreai.delegate, iree.vulkan, iree.cpu,
                                                      hf_candle.delegate,
                                                      hf_candle.q8_0, hf_candle.q4k, eager.delegate)}
 # The fastest correct order measured here (benchmarks/models.py): ONNX Runtime led on every

@@ -29,7 +29,7 @@ from torchnative.delegates.onnx_export import slice_write
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.quiet import quiet
 from torchnative.passes.attention import zero_masked_rows
-from torchnative.passes.state import SLICE_UPDATE
+from torchnative.passes.state import SLICE_UPDATE, state_of, written_states
 
 aten = torch.ops.aten
 _INDEX_PUT = aten.index_put.default
@@ -68,8 +68,8 @@ def _compress(mlmodel, how: str):
     raise ValueError(f"unknown Core ML weight compression {how!r}; choose one of {COMPRESSIONS}")
 
 
-def _zip(folder: Path) -> bytes:
-    """The .mlpackage directory as deterministic zip bytes (sorted names, fixed times). Empty
+def zip_folder(folder: Path) -> bytes:
+    """A package directory (.mlpackage, .aimodel) as deterministic zip bytes (sorted names, fixed times). Empty
     directories are kept: the package's manifest names them (a weightless model's weights/)."""
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
@@ -80,17 +80,17 @@ def _zip(folder: Path) -> bytes:
     return out.getvalue()
 
 
-def unpack(payload: bytes, into: Path) -> Path:
-    """The artifact's .mlpackage, unzipped under `into`."""
+def unpack(payload: bytes, into: Path, suffix: str = ".mlpackage") -> Path:
+    """The artifact's package (a directory named *suffix), unzipped under `into`."""
     with zipfile.ZipFile(io.BytesIO(payload)) as z:
         names = z.namelist()
         unsafe = [n for n in names if n.startswith("/") or ".." in Path(n).parts]
         if unsafe:
-            raise ValueError(f"a Core ML artifact names files outside its package: {unsafe[:3]}")
+            raise ValueError(f"an artifact names files outside its {suffix} package: {unsafe[:3]}")
         z.extractall(into)
         top = {Path(n).parts[0] for n in names}
-    if len(top) != 1 or not next(iter(top)).endswith(".mlpackage"):
-        raise ValueError(f"a Core ML artifact holds one .mlpackage, this one holds {sorted(top)}")
+    if len(top) != 1 or not next(iter(top)).endswith(suffix):
+        raise ValueError(f"the artifact holds one {suffix} package, this one holds {sorted(top)}")
     return into / top.pop()
 
 
@@ -169,15 +169,15 @@ class CoreML:
         mlmodel = self._convert(graph)
         with tempfile.TemporaryDirectory() as tmp, quiet():
             mlmodel.save(str(Path(tmp) / "model.mlpackage"))
-            payload = _zip(Path(tmp) / "model.mlpackage")
+            payload = zip_folder(Path(tmp) / "model.mlpackage")
         runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
-        states = _states(graph)
+        states = written_states(graph)
         return Artifact(self.name, payload, {"n_outputs": len(graph.output_roles), "precision": self.precision,
                                              "compress": self.compress, **describe(payload),
                                              # runtime inputs that are states, and outputs that are a state
                                              "state_inputs": [[n, runtime.index(n)] for n in states],
-                                             "state_outputs": [[k, runtime.index(_state_of(o))] for k, o in
-                                                               enumerate(graph.outputs()) if _state_of(o) in states]})
+                                             "state_outputs": [[k, runtime.index(state_of(o))] for k, o in
+                                                               enumerate(graph.outputs()) if state_of(o) in states]})
 
     def load(self, artifact: Artifact) -> Runner:
         if platform.system() != "Darwin":
@@ -215,7 +215,7 @@ class CoreML:
         precision = ct.precision.FLOAT16 if self.precision == "float16" else ct.precision.FLOAT32
         with quiet():
             # a state the graph writes is a mutable buffer of the export: coremltools makes it a state
-            states = frozenset(_states(graph))
+            states = frozenset(written_states(graph))
             exported = _indexed_in_full(graph).to_exported_program(dense=True, states=states).run_decompositions({})
             pipeline = ct.PassPipeline.DEFAULT
             if states:
@@ -253,18 +253,6 @@ def _indexed_in_full(graph: CapturedGraph) -> CapturedGraph:
     zero_masked_rows(g)  # Core ML's attention is a plain softmax: NaN where a mask hides every key
     return CapturedGraph(fx.GraphModule(torch.nn.Module(), g), graph.input_roles, graph.output_roles,
                          graph.constants, writes=graph.writes)
-
-
-def _states(graph: CapturedGraph) -> list[str]:
-    """Names of the placeholders the graph writes in place (a KV cache), in order."""
-    return list(dict.fromkeys(n.args[0].name for n in graph.gm.graph.nodes if n.target is SLICE_UPDATE))
-
-
-def _state_of(n: fx.Node) -> str | None:
-    """The state a graph output is: the placeholder itself or its in-place write."""
-    while n.target is SLICE_UPDATE:
-        n = n.args[0]
-    return n.name if n.op == "placeholder" else None
 
 
 def _op_name(op: torch._ops.OpOverload) -> str:

@@ -13,6 +13,7 @@ hands out only the written values.
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from torchnative.ir import CapturedGraph
 
@@ -48,3 +49,15 @@ def slice_updates(graph: CapturedGraph) -> CapturedGraph:
         g.eliminate_dead_code()  # fx keeps the in-place op: its schema is mutable
         graph.gm.recompile()
     return graph
+
+
+def written_states(graph: CapturedGraph) -> list[str]:
+    """Names of the placeholders the graph writes in place (a KV cache), in order."""
+    return list(dict.fromkeys(n.args[0].name for n in graph.gm.graph.nodes if n.target is SLICE_UPDATE))
+
+
+def state_of(n: fx.Node) -> str | None:
+    """The state a graph output is: the placeholder itself or its in-place write."""
+    while n.target is SLICE_UPDATE:
+        n = n.args[0]
+    return n.name if n.op == "placeholder" else None

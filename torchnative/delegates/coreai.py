@@ -1,0 +1,145 @@
+"""Apple's Core AI (the successor of Core ML's model format, macOS/iOS 27) through coreai-torch:
+a Core ATen subgraph → ExportedProgram decomposed with Core AI's table → a Core AI program → an
+`.aimodel` asset directory, zipped, is the artifact. Graph inputs a partition writes in place (a
+KV cache) are the program's *states*, updated in place by the runtime.
+
+coreai-core ships a reference runtime that executes assets on Linux, so the delegate executes
+here: slowly (an interpreter, ~10x torch on compute-heavy work), on no chosen unit (CPU, GPU and
+Neural Engine are macOS 27+). Its results are what an Apple device computes up to the units'
+arithmetic, which is why it is worth running here: a partition is checked against eager.
+Which nodes Core AI takes is found by converting each kind of node alone (delegates/probe.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import operator
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from torchnative.delegates.base import tensors
+from torchnative.delegates.coreml import unpack, zip_folder
+from torchnative.delegates.onnx_export import slice_write
+from torchnative.delegates.probe import Probe
+from torchnative.interface import Artifact, Availability, Runner, Support
+from torchnative.ir import CapturedGraph, is_weight
+from torchnative.passes.state import SLICE_UPDATE, state_of, written_states
+from torchnative.quiet import native_notes_dropped, quiet
+
+_HINT = "pip install coreai-torch==0.4.3 coreai-core==1.0.0b3"
+_HERE = "the reference runtime of coreai-core (an interpreter: slow; CPU/GPU/Neural Engine choice is macOS 27+)"
+# dtypes a Core AI program's tensors hold here; int64 arrives as int32 (the runtime's integers)
+_DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.bool}
+
+
+@functools.cache
+def _converter():
+    with quiet():  # its notes on import (deprecated torch APIs)
+        import coreai_torch
+    return coreai_torch
+
+
+class CoreAI:
+    name = "coreai"
+    external_weights = False
+    writes_in_place = True  # a state update writes a Core AI state, in place on device
+    composites: frozenset[str] = frozenset()
+    toolchain = ("coreai-torch", "coreai-core")
+    extension = "aimodel.zip"
+    calibrates = False
+    dynamic = False  # static shapes here: the partitioner leaves nodes whose sizes vary to eager
+
+    def __init__(self):
+        self._probe = Probe(self, "coreai-ops", "Core AI", self._convert)
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("coreai_torch") is None or importlib.util.find_spec("coreai") is None:
+            return Availability("unavailable", "coreai-torch and coreai-core are not installed", _HINT)
+        return Availability("executes", f"runs on {_HERE}")
+
+    def supports(self, node: fx.Node) -> Support:
+        if node.target is SLICE_UPDATE:
+            if node.args[0].op != "placeholder" or not slice_write(node):
+                return Support(False, "a state update is a Core AI state only when it writes a graph input along "
+                                      "one dim by a 1-D integer index")
+            return Support(True)
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return Support(False, f"{node.target} is not an aten op")
+        if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
+            return Support(False, f"coreai-torch converts the first result of {node.target} only")
+        for t in tensors(node):
+            if t.dtype not in _DTYPES:
+                return Support(False, f"{t.dtype} tensors: a Core AI program holds float16/32, int32/64 and bool here")
+        return self._probe(node)
+
+    def _convert(self, graph: CapturedGraph):
+        """The graph as a Core AI program (coreai's AIProgram)."""
+        ct = _converter()
+        states = written_states(graph)
+        inputs = [n.name for n, role in zip(graph.placeholders(), graph.input_roles)
+                  if not is_weight(role) and n.name not in states]
+        outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
+        with quiet():
+            exported = graph.to_exported_program(dense=True, states=frozenset(states))
+            exported = exported.run_decompositions(ct.get_decomp_table())
+            converter = ct.TorchConverter().add_exported_program(exported, input_names=inputs, output_names=outputs,
+                                                                 state_names=states, entrypoint_name="main")
+            return converter.to_coreai()
+
+    def compile(self, graph: CapturedGraph) -> Artifact:
+        program = self._convert(graph)
+        with tempfile.TemporaryDirectory() as tmp, quiet():
+            program.save_asset(Path(tmp) / "model.aimodel")
+            payload = zip_folder(Path(tmp) / "model.aimodel")
+        states = written_states(graph)
+        runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
+        outs = graph.outputs()
+        return Artifact(self.name, payload, {
+            "inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
+            # per output: the state it is (its runtime input), or its dtype as the graph made it
+            "outputs": [[runtime.index(state_of(o))] if state_of(o) in states else str(o.meta["val"].dtype).removeprefix("torch.")
+                        for o in outs]})
+
+    def load(self, artifact: Artifact) -> Runner:
+        from coreai.authoring import AIModelAsset
+        from coreai.runtime import NDArray
+
+        folder = tempfile.mkdtemp(prefix="torchnative-coreai-")
+        asset = AIModelAsset.load(unpack(artifact.payload, Path(folder), ".aimodel"))
+        loop, lock = asyncio.new_event_loop(), threading.Lock()
+        executable = asset.executable()
+        with quiet(), native_notes_dropped("ODIE "):  # the runtime's note on each function it loads
+            model = loop.run_until_complete(executable.__aenter__())
+            function = model.load_function("main")
+        names, states, outputs = artifact.meta["inputs"], artifact.meta["states"], artifact.meta["outputs"]
+        held = {k for _, k in states}
+        produced_names = function.desc.output_names
+
+        def runner(values: list[torch.Tensor], _keep=(folder, executable)) -> list[torch.Tensor]:
+            # The caller's tensors stay the states' truth: given to the function and copied back
+            # after (an app keeps its state arrays across calls instead)
+            feed = {n: NDArray(_runtime_array(t)) for n, t in zip(names, [t for k, t in enumerate(values) if k not in held])}
+            state = {n: NDArray(_runtime_array(values[k])) for n, k in states}
+            with lock:
+                got = loop.run_until_complete(function(feed, state=state))
+            for n, k in states:
+                values[k].copy_(torch.from_numpy(np.asarray(state[n].numpy())))
+            produced = iter(got[n] for n in produced_names)
+            return [values[o[0]] if isinstance(o, list) else
+                    torch.from_numpy(np.array(next(produced).numpy())).to(getattr(torch, o)) for o in outputs]
+
+        return runner
+
+
+def _runtime_array(t: torch.Tensor) -> np.ndarray:
+    a = t.detach().contiguous().numpy()
+    return a.astype(np.int32) if a.dtype == np.int64 else a
+
+
+delegate = CoreAI()
