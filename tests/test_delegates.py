@@ -316,6 +316,8 @@ EDGE_DIVERGES = {
     "candle": {"relu", "amax", "gelu"},  # relu(NaN) = 0, a max that skips NaN
     "iree-cpu": {"gelu"} | _IEEE_MAX,
     "vulkan": {"gelu", "mul 0", "div by 0"} | _IEEE_MAX,  # fast math: x * 0 = 0 for NaN and inf
+    # Core AI's reference runtime: gelu(inf) inf, mean over no elements 0, NaN not ordered first
+    "coreai": {"gelu", "mean of empty", "argmax", "topk"},
 }
 
 

@@ -36,6 +36,9 @@ _HINT = "pip install coreai-torch==0.4.3 coreai-core==1.0.0b3"
 _HERE = "the reference runtime of coreai-core (an interpreter: slow; CPU/GPU/Neural Engine choice is macOS 27+)"
 # dtypes a Core AI program's tensors hold here; int64 arrives as int32 (the runtime's integers)
 _DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.bool}
+# a native assertion in the converter (SIGABRT, not an exception): never asked, not even alone
+_ABORTS_ON_0D = {torch.ops.aten.mean.default, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
+                 torch.ops.aten.sum.dim_IntList}
 
 
 @functools.cache
@@ -73,6 +76,9 @@ class CoreAI:
             return Support(False, f"{node.target} is not an aten op")
         if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, f"coreai-torch converts the first result of {node.target} only")
+        first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None
+        if node.target in _ABORTS_ON_0D and isinstance(first, torch.Tensor) and first.dim() == 0:
+            return Support(False, f"coreai-torch 0.4.3 aborts the process converting {node.target} of a 0-d tensor")
         for t in tensors(node):
             if t.dtype not in _DTYPES:
                 return Support(False, f"{t.dtype} tensors: a Core AI program holds float16/32, int32/64 and bool here")
