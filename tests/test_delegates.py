@@ -26,7 +26,7 @@ IMPRECISE_CLAIMS = {"xnnpack"}
 # path) and vulkan's other models run under -m slow (CI runs both). xnnpack's other models too.
 SLOW_COMPILERS = {"iree-cpu"}
 SLOW_OP_TABLES = {"vulkan", "xnnpack"}  # ~35 s each: a lowered program per op sample
-FEW_MODELS = {"vulkan", "xnnpack"}
+FEW_MODELS = {"vulkan", "xnnpack", "coreai"}  # coreai: a reference interpreter, seconds per model
 DEFAULT_MODELS = {"gpt2", "resnet"}
 SLOW_PAIRS = {("vulkan", "gpt2")}  # ~23 s on software Vulkan; its resnet runs by default
 
