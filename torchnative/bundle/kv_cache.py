@@ -77,9 +77,8 @@ class KVState:
 
 
 def _mod(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x mod n, non-negative; written with a floor division, which every delegate here converts
-    (Core AI has no remainder)."""
-    return x - torch.div(x, n, rounding_mode="floor") * n
+    """x mod n, non-negative."""
+    return x.remainder(n)
 
 
 def _update(state: KVState, layer: int, positions: torch.Tensor, keys: torch.Tensor,

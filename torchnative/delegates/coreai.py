@@ -48,6 +48,14 @@ def _converter():
     return coreai_torch
 
 
+def _remainder(x: torch.Tensor, n) -> torch.Tensor:
+    return x - torch.div(x, n, rounding_mode="floor") * n
+
+
+# ops coreai-torch 0.4.3 does not convert, written with ones it does (a ring buffer's slot is a remainder)
+_DECOMPOSITIONS = {torch.ops.aten.remainder.Scalar: _remainder, torch.ops.aten.remainder.Tensor: _remainder}
+
+
 class CoreAI:
     name = "coreai"
     external_weights = False
@@ -93,7 +101,7 @@ class CoreAI:
         outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
         with quiet():
             exported = graph.to_exported_program(dense=True, states=frozenset(states))
-            exported = exported.run_decompositions(ct.get_decomp_table())
+            exported = exported.run_decompositions({**ct.get_decomp_table(), **_DECOMPOSITIONS})
             converter = ct.TorchConverter().add_exported_program(exported, input_names=inputs, output_names=outputs,
                                                                  state_names=states, entrypoint_name="main")
             return converter.to_coreai()
