@@ -35,10 +35,17 @@ def _per_delegate(names: list[str], slow: set[str] = frozenset()) -> list:
     return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COMPILERS | slow else n for n in names]
 
 
+# found failing, not yet understood: strict, so a pair that starts to pass says so
+KNOWN_FAILING = {("vulkan", "gemma3"): "iree-compile 3.13 fails on a Gemma 3 partition for Vulkan (CompilerToolError, "
+                                       "41 ops fall back); found 2026-12-05"}
+
+
 def _per_model(delegates: list[str], names: list[str]) -> list:
-    return [pytest.param(d, m, marks=pytest.mark.slow) if d in SLOW_COMPILERS or (d in FEW_MODELS and m not in DEFAULT_MODELS)
-            else pytest.param(d, m, marks=pytest.mark.slow) if (d, m) in SLOW_PAIRS else (d, m)
-            for d in delegates for m in names]
+    def marks(d: str, m: str) -> list:
+        slow = d in SLOW_COMPILERS or (d in FEW_MODELS and m not in DEFAULT_MODELS) or (d, m) in SLOW_PAIRS
+        known = [pytest.mark.xfail(reason=KNOWN_FAILING[d, m], strict=True)] if (d, m) in KNOWN_FAILING else []
+        return ([pytest.mark.slow] if slow else []) + known
+    return [pytest.param(d, m, marks=marks(d, m)) for d in delegates for m in names]
 
 # One table for every executing delegate: representative ops of the models we target.
 OPS = ["add", "mul", "div", "sub", "neg", "exp", "tanh", "sigmoid", "nn.functional.relu", "nn.functional.gelu",
