@@ -9,6 +9,23 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from torchnative.interface import Support
+from torchnative.passes.state import SLICE_UPDATE
+from torchnative.delegates.onnx_export import slice_write
+
+
+def state_or_aten(node: fx.Node, state: str) -> Support | None:
+    """What a delegate that keeps written inputs as its own states (Core ML's, Core AI's) says of
+    a state update (passes.state) and of a node that is not an aten op; None for the rest."""
+    if node.target is SLICE_UPDATE:
+        if node.args[0].op != "placeholder" or not slice_write(node):
+            return Support(False, f"a state update is a {state} only when it writes a graph input along one dim by "
+                                  f"a 1-D integer index")
+        return Support(True)
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return Support(False, f"{node.target} is not an aten op")
+    return None
+
 
 def tensors(node: fx.Node):
     """The tensors a node computes and reads (as traced): what a delegate's dtype and shape rules look at."""

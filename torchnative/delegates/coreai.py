@@ -23,13 +23,12 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import tensors
+from torchnative.delegates.base import state_or_aten, tensors
 from torchnative.delegates.coreml import unpack, zip_folder
-from torchnative.delegates.onnx_export import slice_write
 from torchnative.delegates.probe import Probe
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
-from torchnative.passes.state import SLICE_UPDATE, state_of, written_states
+from torchnative.passes.state import state_of, written_states
 from torchnative.quiet import native_notes_dropped, quiet
 
 _HINT = "pip install coreai-torch==0.4.3 coreai-core==1.0.0b3"
@@ -75,13 +74,9 @@ class CoreAI:
         return Availability("executes", f"runs on {_HERE}")
 
     def supports(self, node: fx.Node) -> Support:
-        if node.target is SLICE_UPDATE:
-            if node.args[0].op != "placeholder" or not slice_write(node):
-                return Support(False, "a state update is a Core AI state only when it writes a graph input along "
-                                      "one dim by a 1-D integer index")
-            return Support(True)
-        if not isinstance(node.target, torch._ops.OpOverload):
-            return Support(False, f"{node.target} is not an aten op")
+        verdict = state_or_aten(node, "Core AI state")
+        if verdict is not None:
+            return verdict
         if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
             return Support(False, f"coreai-torch converts the first result of {node.target} only")
         first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], fx.Node) else None

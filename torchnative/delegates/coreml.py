@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from torchnative.delegates.base import tensors
+from torchnative.delegates.base import state_or_aten, tensors
 from torchnative.interface import Artifact, Availability, CompileOnly, Runner, Support
 from torchnative.delegates.probe import Probe
 from torchnative.delegates.onnx_export import slice_write
@@ -149,13 +149,9 @@ class CoreML:
         return Availability("executes")
 
     def supports(self, node: fx.Node) -> Support:
-        if node.target is SLICE_UPDATE:
-            if node.args[0].op != "placeholder" or not slice_write(node):
-                return Support(False, "a state update is a Core ML state only when it writes a graph input along "
-                                      "one dim by a 1-D integer index")
-            return Support(True)
-        if not isinstance(node.target, torch._ops.OpOverload):
-            return Support(False, f"{node.target} is not an aten op")
+        verdict = state_or_aten(node, "Core ML state")
+        if verdict is not None:
+            return verdict
         if _op_name(node.target) not in _registered():
             return Support(False, f"coremltools has no translation of {node.target}")
         if any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
