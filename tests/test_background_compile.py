@@ -182,3 +182,18 @@ def test_a_torch_compiled_function_runs_while_the_compile_thread_traces():
     job.result(timeout=60)
     torchnative.wait_for_compiles()
     assert torch._dynamo.config.error_on_nested_fx_trace  # as it was, once no compile runs
+
+
+def test_traces_on_two_compile_threads_never_meet():
+    """An in-call compile (the compile thread) beside a background one: torch.export keeps state per
+    process, and two traces at once failed each other ("Trying to pop empty mode stack"), which a
+    probing delegate then kept as its verdict on the op. They take turns."""
+    from torchnative.delegates.base import in_clean_thread
+
+    def export(k: int):
+        m = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(k)])
+        return torch.export.export(m, (torch.randn(2, 8),), strict=False)
+
+    jobs = [program_cache._background.submit(in_clean_thread, export, 6) for _ in range(6)]
+    mine = [in_clean_thread(export, 6) for _ in range(6)]
+    assert all(len(list(ep.graph.nodes)) > 6 for ep in [*mine, *(j.result(60) for j in jobs)])

@@ -46,6 +46,15 @@ def fresh_dispatch_state() -> None:
 
 
 _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile", initializer=fresh_dispatch_state)
+# torch.export and make_fx keep state per process (fx's CURRENT_PATCHER, the proxy modes): two
+# threads tracing at once (an in-call compile beside a background one) fail each other with errors
+# like "Trying to pop empty mode stack", which a probe would then keep as a verdict on the op
+_tracing = threading.RLock()
+
+
+def _traced(fn: Callable[..., Any], *args: Any) -> Any:
+    with _tracing:
+        return fn(*args)
 
 
 def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
@@ -53,7 +62,7 @@ def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
     __torch_dispatch__, where torch has excluded the Python dispatch key for this thread; tracing
     compilers (torch.export) need it, so compiles run on the compile thread, or where they are
     (a thread marked by `fresh_dispatch_state`: the compile thread itself, which waiting on
-    itself would never return, or the background compiles')."""
+    itself would never return, or the background compiles'). One traces at a time."""
     if getattr(_fresh, "yes", False):
-        return fn(*args)
-    return _compiler.submit(fn, *args).result()
+        return _traced(fn, *args)
+    return _compiler.submit(_traced, fn, *args).result()
