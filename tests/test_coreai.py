@@ -1,8 +1,11 @@
 """The `coreai` delegate (Apple Core AI through coreai-torch), executed here on coreai-core's
-reference runtime: generating bundles whose KV caches and sliding-window rings are Core AI
+reference runtime: causal LMs under `accelerate` with attention, RMSNorm and RoPE as Core AI's
+composite ops; generating bundles whose KV caches and sliding-window rings are Core AI
 states, against eager's tokens. Its op table, models and edge cases are tests/test_delegates.py's
 (it executes, so it is in EXECUTING)."""
+import copy
 import pathlib
+import re
 import tempfile
 
 import pytest
@@ -14,7 +17,9 @@ from tests.test_bundle_generate import LONG, SLIDING_CACHE, WINDOW, _sliding
 from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save
 from torchnative.delegates import REGISTRY
+from torchnative import models
 from torchnative.delegates.coreml import unpack
+from torchnative.passes.fuse import fuse
 
 pytest.importorskip("coreai_torch")
 
@@ -73,3 +78,35 @@ def test_a_reduction_of_a_0d_tensor_is_refused_not_converted():
     g.output([mean])
     verdict = REGISTRY["coreai"].supports(mean)
     assert not verdict and "aborts the process" in verdict.reason
+
+
+def _composites(program) -> set[str]:
+    """The Core AI composite ops the coreai partitions of a built program declare."""
+    delegate, found = REGISTRY["coreai"], set()
+    for step in (s for s in program.steps if s.delegate == "coreai"):
+        text = str(delegate._convert(fuse(step.graph, delegate.composites)))
+        found |= set(re.findall(r'composite_declaration<"(\w+)"', text))
+    return found
+
+
+@pytest.mark.parametrize(("name", "composites"), [
+    ("gpt2", {"scaled_dot_product_attention", "layer_norm"}),  # coreai-torch makes its own of LayerNorm
+    ("llama", {"scaled_dot_product_attention", "rms_norm", "rope"}),
+    ("qwen3", {"scaled_dot_product_attention", "rms_norm", "rope"})])  # grouped KV heads, q/k norms
+def test_causal_lms_run_whole_on_core_ai_with_its_composite_ops(name, composites):
+    """accelerate(delegates=["coreai"]): every op of the forward in Core AI, attention, RMSNorm and
+    RoPE declared as Core AI's composites (a device runs its fused kernels), compiled and replayed
+    calls eager's (1e-4) on the reference runtime."""
+    model = models.transformers_model({"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM"}[name], use_cache=True)
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=1, background=False)
+    with torch.no_grad():
+        for seq in (12, 12, 12):  # recorded, compiled, replayed
+            ids = torch.randint(0, model.config.vocab_size, (2, seq))
+            torch.testing.assert_close(model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits,
+                                       rtol=1e-4, atol=1e-4)
+        with torchnative.capture(["coreai"], compile_after=1, background=False):
+            e = torchnative.explain(lambda: reference(ids, use_cache=False).logits)
+    assert not e.fallbacks and all(d == "coreai" for parts in e.partitions for d, _ in parts), e.partitions
+    assert _composites(e.programs[0]) == composites

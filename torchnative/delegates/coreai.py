@@ -23,11 +23,13 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from torchnative.delegates import coreai_composites
 from torchnative.delegates.base import state_or_aten, tensors
 from torchnative.delegates.coreml import unpack, zip_folder
 from torchnative.delegates.probe import Probe
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
+from torchnative.passes.attention import as_sdpa, zero_masked_rows
 from torchnative.passes.state import state_of, written_states
 from torchnative.quiet import native_notes_dropped, quiet
 
@@ -59,7 +61,7 @@ class CoreAI:
     name = "coreai"
     external_weights = False
     writes_in_place = True  # a state update writes a Core AI state, in place on device
-    composites: frozenset[str] = frozenset()
+    composites = frozenset({"rms_norm", "rope"})  # as Core AI's composite ops (delegates/coreai_composites.py)
     toolchain = ("coreai-torch", "coreai-core")
     extension = "aimodel.zip"
     calibrates = False
@@ -96,8 +98,13 @@ class CoreAI:
         outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
         with quiet():
             exported = graph.to_exported_program(dense=True, states=frozenset(states))
+            # attention as the op coreai-torch makes Core AI's composite of; its rows that see no key 0, as in eager
+            as_sdpa(zero_masked_rows(exported.graph))
+            exported.graph_module.recompile()
             exported = exported.run_decompositions({**ct.get_decomp_table(), **_DECOMPOSITIONS})
-            converter = ct.TorchConverter().add_exported_program(exported, input_names=inputs, output_names=outputs,
+            converter = ct.TorchConverter()
+            coreai_composites.register(converter)
+            converter = converter.add_exported_program(exported, input_names=inputs, output_names=outputs,
                                                                  state_names=states, entrypoint_name="main")
             return converter.to_coreai()
 

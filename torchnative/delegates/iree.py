@@ -27,7 +27,7 @@ from torchnative.delegates.base import tensors
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.delegates.probe import Probe
 from torchnative.ir import CapturedGraph
-from torchnative.passes.attention import zero_masked_rows
+from torchnative.passes.attention import as_sdpa, zero_masked_rows
 
 _HINT = "pip install iree-base-compiler==3.13.* iree-base-runtime==3.13.*"
 _VULKAN_HINT = "apt-get install mesa-vulkan-drivers libvulkan1 (software Vulkan), or a GPU's Vulkan driver"
@@ -54,28 +54,6 @@ def _decompose(exported: torch.export.ExportedProgram, names: tuple[str, ...]) -
     return exported.run_decompositions(table)
 
 
-def _fuse_attention(graph: fx.Graph) -> None:
-    """Our graphs hold SDPA as CPU flash attention (output, logsumexp), which IREE's importer does
-    not know; its output alone is `scaled_dot_product_attention`, which IREE compiles whole."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    for n in list(graph.nodes):
-        if n.target is not flash:
-            continue
-        results = {u.args[1]: u for u in n.users}
-        if 0 not in results or any(u.users for i, u in results.items() if i != 0):
-            continue  # the logsumexp is used (autograd): left as it is, for the importer to refuse
-        q, k, v, dropout, causal = (*n.args, *(0.0, False)[len(n.args) - 3:])
-        with graph.inserting_before(n):
-            fused = graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), {
-                "attn_mask": n.kwargs.get("attn_mask"), "dropout_p": n.kwargs.get("dropout_p", dropout),
-                "is_causal": n.kwargs.get("is_causal", causal), "scale": n.kwargs.get("scale")})
-        fused.meta = dict(results[0].meta)
-        results[0].replace_all_uses_with(fused)
-        for u in results.values():
-            graph.erase_node(u)
-        graph.erase_node(n)
-
-
 def _arguments(exported: torch.export.ExportedProgram) -> tuple[list, dict[str, torch.Tensor]]:
     """The compiled function's arguments in order — ["weight", name] or ["input", i] — and the
     weights by name: our constants (buffers of the export) and any constant the decompositions made."""
@@ -100,7 +78,7 @@ def _mlir(exported: torch.export.ExportedProgram) -> bytes:
     from iree.compiler import ir
     from iree.compiler.extras.fx_importer import FxImporter
 
-    _fuse_attention(zero_masked_rows(exported.graph))
+    as_sdpa(zero_masked_rows(exported.graph))
     importer = FxImporter(context=ir.Context())
     importer.import_stateless_graph(exported.graph, func_name="main")
     unknown = sorted(set(re.findall(r'torch\.operator "torch\.([\w.]+)"', str(importer.module))))
