@@ -110,3 +110,27 @@ def test_causal_lms_run_whole_on_core_ai_with_its_composite_ops(name, composites
             e = torchnative.explain(lambda: reference(ids, use_cache=False).logits)
     assert not e.fallbacks and all(d == "coreai" for parts in e.partitions for d, _ in parts), e.partitions
     assert _composites(e.programs[0]) == composites
+
+
+def _llama_on_coreai(quantize: str | None):
+    model, ids = models.build("llama"), torch.randint(0, 1000, (2, 12))
+    with torch.no_grad(), torchnative.capture(["coreai"], compile_after=1, background=False, quantize=quantize):
+        e = torchnative.explain(lambda: model(ids, use_cache=False).logits)
+    with torch.no_grad(), torchnative.capture(["eager"], compile_after=1, background=False, quantize=quantize):
+        reference = torchnative.explain(lambda: model(ids, use_cache=False).logits).output  # the dequantized weights'
+    assert not e.fallbacks and [d for parts in e.partitions for d, _ in parts] == ["coreai"], e.partitions
+    torch.testing.assert_close(e.output, reference, rtol=1e-4, atol=1e-5)
+    (step,) = e.programs[0].steps
+    return step, str(REGISTRY["coreai"]._convert(fuse(step.graph, REGISTRY["coreai"].composites)))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_weights_are_core_ai_compressed_weights(scheme):
+    """quantize=int8|int4: every linear layer's weight a constant of its integers' width (int4 packed),
+    expanded by Core AI's blockwise_shift_scale in the program; logits eager's with the
+    dequantized weights; the asset smaller than float32's by what the weights shrank."""
+    step, program = _llama_on_coreai(scheme)
+    assert program.count("coreai.blockwise_shift_scale") == 15  # 2 layers × 7 linears + the LM head
+    assert ("xsi4>" in program) == (scheme == "int4")
+    float_step, _ = _llama_on_coreai(None)
+    assert step.artifact_bytes < float_step.artifact_bytes * (0.6 if scheme == "int8" else 0.5)

@@ -35,8 +35,9 @@ from torchnative.quiet import native_notes_dropped, quiet
 
 _HINT = "pip install coreai-torch==0.4.3 coreai-core==1.0.0b3"
 _HERE = "the reference runtime of coreai-core (an interpreter: slow; CPU/GPU/Neural Engine choice is macOS 27+)"
-# dtypes a Core AI program's tensors hold here; int64 arrives as int32 (the runtime's integers)
-_DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.bool}
+# dtypes a Core AI program's tensors hold here; int64 arrives as int32 (the runtime's integers);
+# int8: quantized weights' integers
+_DTYPES = {torch.float32, torch.float16, torch.int32, torch.int64, torch.int8, torch.bool}
 # a native assertion in the converter (SIGABRT, not an exception): never asked, not even alone
 _ABORTS_ON_0D = {torch.ops.aten.mean.default, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
                  torch.ops.aten.sum.dim_IntList}
@@ -61,7 +62,8 @@ class CoreAI:
     name = "coreai"
     external_weights = False
     writes_in_place = True  # a state update writes a Core AI state, in place on device
-    composites = frozenset({"rms_norm", "rope"})  # as Core AI's composite ops (delegates/coreai_composites.py)
+    # as Core AI's composite ops and compressed weights (delegates/coreai_composites.py)
+    composites = frozenset({"rms_norm", "rope", "quantized_mm", "quantized_addmm"})
     toolchain = ("coreai-torch", "coreai-core")
     extension = "aimodel.zip"
     calibrates = False
@@ -86,7 +88,7 @@ class CoreAI:
             return Support(False, f"coreai-torch 0.4.3 aborts the process converting {node.target} of a 0-d tensor")
         for t in tensors(node):
             if t.dtype not in _DTYPES:
-                return Support(False, f"{t.dtype} tensors: a Core AI program holds float16/32, int32/64 and bool here")
+                return Support(False, f"{t.dtype} tensors: a Core AI program holds float16/32, int8/32/64 and bool here")
         return self._probe(node)
 
     def _convert(self, graph: CapturedGraph):
@@ -103,7 +105,7 @@ class CoreAI:
             exported.graph_module.recompile()
             exported = exported.run_decompositions({**ct.get_decomp_table(), **_DECOMPOSITIONS})
             converter = ct.TorchConverter()
-            coreai_composites.register(converter)
+            coreai_composites.register(converter, exported)
             converter = converter.add_exported_program(exported, input_names=inputs, output_names=outputs,
                                                                  state_names=states, entrypoint_name="main")
             return converter.to_coreai()

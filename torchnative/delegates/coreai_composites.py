@@ -5,17 +5,57 @@ eager op order (passes.fuse), so what runs here is what eager computes. Attentio
 lowering of ours: coreai-torch makes `scaled_dot_product_attention` its composite itself.
 
 Declarations follow coreai_torch.composite_ops: RMSNorm's inputs (input, scale) and `eps`;
-RoPE's (input, cos, sin) with cos and sin over half the rotated dims, rotate-half layout."""
+RoPE's (input, cos, sin) with cos and sin over half the rotated dims, rotate-half layout.
+
+A weight passes.quantize made low-bit (fused as `quantized_mm`) becomes Core AI's compressed
+weight: its integers a constant of their width (int8, or int4 packed two to a byte), dequantized by
+`blockwise_shift_scale` with the scales per output channel or group: what a device keeps
+compressed and expands in its kernel. The float weight is never in the asset."""
 # no `from __future__ import annotations`: Core AI's graph builder reads the bodies' hints as types
+import functools
 from typing import Any
 
+import numpy as np
+import torch
 import torch.fx as fx
 
 
-def register(converter: Any) -> None:
-    """Teach a coreai_torch.TorchConverter our composites."""
+def register(converter: Any, exported: torch.export.ExportedProgram) -> None:
+    """Teach a coreai_torch.TorchConverter our composites, for converting `exported`."""
     converter.register_torch_lowering("torchnative::rms_norm.default")(_rms_norm)
     converter.register_torch_lowering("torchnative::rope.default")(_rope)
+    converter.register_torch_lowering("torchnative::quantized_mm.default")(
+        functools.partial(_quantized_mm, converter, _constants(exported)))
+
+
+def _constants(exported: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The exported program's weights by placeholder name."""
+    from torch.export.graph_signature import InputKind
+
+    found = {}
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            found[spec.arg.name] = exported.state_dict.get(spec.target, exported.constants.get(spec.target))
+    return found
+
+
+def _quantized_mm(converter: Any, constants: dict[str, torch.Tensor], values: dict, node: fx.Node, loc: Any):
+    from coreai._compiler.dialects import coreai
+    from coreai_torch._compression._intx import IntxTensor
+
+    x, q, scale, bias, bits = node.args
+    if bits == 4:
+        integers = converter._constant_from_tensor(IntxTensor.from_unpacked(constants[q.name], 4))
+    else:
+        integers = values[q.name]
+    scales = values[scale.name]
+    n, groups, group = q.meta["val"].shape
+    zero_q = coreai.constant(torch.zeros(n, groups, 1, dtype=torch.int8).numpy(), dtype=integers.type.element_type)
+    zero_f = coreai.constant(torch.zeros(n, groups, 1).numpy())
+    weight = coreai.blockwise_shift_scale(integers, scales, zero_q, zero_f, loc=loc)  # q · scale, [out, groups, group]
+    weight = coreai.reshape(weight, [n, groups * group])
+    out = coreai.broadcasting_batch_matmul(values[x.name], coreai.transpose(weight, coreai.constant(np.array([1, 0], dtype=np.uint32))))
+    return out if bias is None else coreai.broadcasting_add(out, values[bias.name])
 
 
 def _rms_norm(values: dict, node: fx.Node, loc: Any):
