@@ -134,3 +134,39 @@ def test_quantized_weights_are_core_ai_compressed_weights(scheme):
     assert ("xsi4>" in program) == (scheme == "int4")
     float_step, _ = _llama_on_coreai(None)
     assert step.artifact_bytes < float_step.artifact_bytes * (0.6 if scheme == "int8" else 0.5)
+
+
+class _FastWeights(torch.nn.Module):
+    """A TTT-style layer: each call takes one gradient step of its fast weight W on a
+    reconstruction loss over the call's tokens, in place, then reads through the new W."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.proj = torch.nn.Linear(d, d)
+        self.register_buffer("W", torch.eye(d))
+        self.lr = 0.1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.proj(x)
+        error = k @ self.W - x
+        self.W.sub_(self.lr * k.transpose(-1, -2) @ error / x.shape[0])
+        return torch.nn.functional.rms_norm(k @ self.W, (16,))
+
+
+def test_a_fast_weight_layer_streams_on_core_ai_as_eager_does():
+    """10 streaming calls: outputs and the fast weight eager's after every call (1e-5), the whole
+    step (the update included) in one Core AI partition, calls replayed."""
+    torch.manual_seed(0)
+    model = _FastWeights().eval()
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=1, background=False)
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(8, 16)
+            torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.W, reference.W, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(model.W, torch.eye(16)) and torchnative.stats()["replays"] >= 8
+        with torchnative.capture(["coreai"], compile_after=1, background=False):
+            e = torchnative.explain(lambda: reference(x))
+    assert [d for parts in e.partitions for d, _ in parts] == ["coreai"], e.partitions
