@@ -32,6 +32,7 @@ def _function_states(bundle: pathlib.Path, method: str) -> list[list[int]]:
     shapes = []
     for part in (p for g in manifest["methods"][method]["programs"] for p in g["partitions"]):
         assert part["delegate"] == "coreai", part["delegate"]
+        assert part["meta"]["os"] == "macOS/iOS 27.0"  # the OS target the manifest names
         with tempfile.TemporaryDirectory() as tmp:
             asset = AIModelAsset.load(unpack((bundle / part["artifact"]).read_bytes(), pathlib.Path(tmp), ".aimodel"))
             shapes += [[int(d) for d in desc.split("(")[1].split(",")[1].strip(" )").split(" × ")]

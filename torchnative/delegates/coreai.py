@@ -111,15 +111,19 @@ class CoreAI:
             return converter.to_coreai()
 
     def compile(self, graph: CapturedGraph) -> Artifact:
+        from coreai.authoring import AIModelAsset
+
         program = self._convert(graph)
         with tempfile.TemporaryDirectory() as tmp, quiet():
             program.save_asset(Path(tmp) / "model.aimodel")
             payload = zip_folder(Path(tmp) / "model.aimodel")
+            # the OS release the asset needs (its compatibility version: 27.0 for 1.0.0b3's programs)
+            target = AIModelAsset.load(Path(tmp) / "model.aimodel").summary()._compatibility_version
         states = written_states(graph)
         runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
         outs = graph.outputs()
         return Artifact(self.name, payload, {
-            "inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
+            "os": f"macOS/iOS {target}", "inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
             # per output: the state it is (its runtime input), or its dtype as the graph made it
             "outputs": [[runtime.index(state_of(o))] if state_of(o) in states else str(o.meta["val"].dtype).removeprefix("torch.")
                         for o in outs]})
