@@ -36,7 +36,7 @@ def _function_states(bundle: pathlib.Path, method: str) -> list[list[int]]:
         with tempfile.TemporaryDirectory() as tmp:
             asset = AIModelAsset.load(unpack((bundle / part["artifact"]).read_bytes(), pathlib.Path(tmp), ".aimodel"))
             shapes += [[int(d) for d in desc.split("(")[1].split(",")[1].strip(" )").split(" × ")]
-                       for _, desc in asset.summary().function_states("main")]
+                       for _, desc in asset.summary().function_states(part["meta"]["function"])]
     return shapes
 
 
@@ -53,13 +53,16 @@ def _check_sliding(arch: str, tmp_path: pathlib.Path) -> None:
     declared = sorted(s["shape"] for s in loaded.manifest["state"])
     assert sorted(_function_states(tmp_path / "b", "decode")) == declared  # every ring and cache a state in decode
     assert [1, 2, WINDOW, 16] in declared
+    files = {p["artifact"] for method in ("prefill", "decode") for g in loaded.manifest["methods"][method]["programs"]
+             for p in g["partitions"]}
+    assert len(files) == 1 and len(list((tmp_path / "b" / "partitions").iterdir())) == 1  # one asset: prefill and decode
     with torch.no_grad():
         assert torch.equal(loaded.generate(LONG, max_new_tokens=48), model.generate(LONG, max_new_tokens=48, do_sample=False))
 
 
 def test_a_sliding_window_bundle_keeps_its_rings_as_core_ai_states(tmp_path):
-    """Mistral, all layers sliding: one asset per method, the rings its states, tokens past the
-    window eager's."""
+    """Mistral, all layers sliding: one asset of two functions, prefill and decode, the rings
+    decode's states, tokens past the window eager's."""
     _check_sliding("MistralForCausalLM", tmp_path)
 
 
@@ -85,7 +88,7 @@ def _composites(program) -> set[str]:
     """The Core AI composite ops the coreai partitions of a built program declare."""
     delegate, found = REGISTRY["coreai"], set()
     for step in (s for s in program.steps if s.delegate == "coreai"):
-        text = str(delegate._convert(fuse(step.graph, delegate.composites)))
+        text = str(delegate._convert({"main": fuse(step.graph, delegate.composites)}))
         found |= set(re.findall(r'composite_declaration<"(\w+)"', text))
     return found
 
@@ -122,7 +125,7 @@ def _llama_on_coreai(quantize: str | None):
     assert not e.fallbacks and [d for parts in e.partitions for d, _ in parts] == ["coreai"], e.partitions
     torch.testing.assert_close(e.output, reference, rtol=1e-4, atol=1e-5)
     (step,) = e.programs[0].steps
-    return step, str(REGISTRY["coreai"]._convert(fuse(step.graph, REGISTRY["coreai"].composites)))
+    return step, str(REGISTRY["coreai"]._convert({"main": fuse(step.graph, REGISTRY["coreai"].composites)}))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,7 @@ from torchnative.delegates import REGISTRY
 from torchnative.delegates.eager import delegate as eager
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes import pin
+from torchnative.passes.fuse import fuse
 from torchnative.passes.state import SLICE_UPDATE
 from torchnative.replay import trace
 from torchnative.build.program import Program, Step
@@ -63,6 +65,7 @@ class _Writer:
     def __init__(self, compiled: Compiled):
         self.compiled = compiled
         self.files: dict[str, bytes] = {}
+        self.written: dict[str, str] = {}  # sha256 -> the file holding that payload
         self.weights: dict[str, torch.Tensor] = {}
         self.weight_ids: dict[int, str] = {}
         self.originals: dict[str, torch.Tensor] = {}  # name -> the model's tensor (pinned or not)
@@ -149,9 +152,12 @@ class _Writer:
         return {"dtype": _dtype(val), "shape": shape, **layout}
 
     def file(self, stem: str, delegate: str, payload: bytes) -> dict:
-        path = f"partitions/{self.method}_{stem}_{delegate}.{REGISTRY[delegate].extension}"
-        self.files[path] = payload
-        return {"artifact": path, "bytes": len(payload), "sha256": sha256(payload)}
+        digest = sha256(payload)
+        path = self.written.get(digest)  # an artifact several methods' partitions run (_shared_assets)
+        if path is None:
+            path = self.written[digest] = f"partitions/{self.method}_{stem}_{delegate}.{REGISTRY[delegate].extension}"
+            self.files[path] = payload
+        return {"artifact": path, "bytes": len(payload), "sha256": digest}
 
     def program(self, k: int, call: trace.GraphCall) -> m.ProgramEntry:
         program: Program = call.program
@@ -219,7 +225,29 @@ def _inputs(method: CompiledMethod | CompiledBuckets) -> list[m.Input]:
 
 def bundle_files(compiled: Compiled, model: str) -> dict[str, bytes]:
     """The bundle's files by name; `model` describes where it came from (for the manifest)."""
+    _shared_assets(compiled)
     return _Writer(compiled).files_and_manifest(model)
+
+
+def _shared_assets(compiled: Compiled) -> None:
+    """Partitions at the same place in each method (graph k, partition j) whose delegate makes one
+    artifact of several functions (Core AI: prefill and decode functions over the same weights, a
+    device's one asset) become that artifact, each running its own function (in place)."""
+    groups: dict[tuple, dict[str, Step]] = defaultdict(dict)
+    for name, method in compiled.methods.items():
+        if isinstance(method, CompiledBuckets):
+            continue
+        for k, call in enumerate(method.trace.calls):
+            for j, step in enumerate(call.program.steps):
+                if step.artifact is not None and step.delegate == step.artifact.delegate \
+                        and hasattr(REGISTRY[step.delegate], "compile_functions"):
+                    groups[step.delegate, k, j][name] = step
+    for (name, _, _), steps in groups.items():
+        if len(steps) > 1:
+            delegate = REGISTRY[name]
+            built = delegate.compile_functions({method: fuse(s.graph, delegate.composites) for method, s in steps.items()})
+            for method, step in steps.items():
+                step.artifact = built[method]
 
 
 def save(compiled: Compiled, path: str | Path, model: str,

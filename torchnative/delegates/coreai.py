@@ -70,7 +70,7 @@ class CoreAI:
     dynamic = False  # static shapes here: the partitioner leaves nodes whose sizes vary to eager
 
     def __init__(self):
-        self._probe = Probe(self, "coreai-ops", "Core AI", self._convert)
+        self._probe = Probe(self, "coreai-ops", "Core AI", lambda graph: self._convert({"main": graph}))
 
     def available(self) -> Availability:
         if importlib.util.find_spec("coreai_torch") is None or importlib.util.find_spec("coreai") is None:
@@ -91,42 +91,42 @@ class CoreAI:
                 return Support(False, f"{t.dtype} tensors: a Core AI program holds float16/32, int8/32/64 and bool here")
         return self._probe(node)
 
-    def _convert(self, graph: CapturedGraph):
-        """The graph as a Core AI program (coreai's AIProgram)."""
+    def _convert(self, graphs: dict[str, CapturedGraph]):
+        """The graphs as one Core AI program (coreai's AIProgram), a function per name."""
         ct = _converter()
-        states = written_states(graph)
-        inputs = [n.name for n, role in zip(graph.placeholders(), graph.input_roles)
-                  if not is_weight(role) and n.name not in states]
-        outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
         with quiet():
-            exported = graph.to_exported_program(dense=True, states=frozenset(states))
-            # attention as the op coreai-torch makes Core AI's composite of; its rows that see no key 0, as in eager
-            as_sdpa(zero_masked_rows(exported.graph))
-            exported.graph_module.recompile()
-            exported = exported.run_decompositions({**ct.get_decomp_table(), **_DECOMPOSITIONS})
             converter = ct.TorchConverter()
-            coreai_composites.register(converter, exported)
-            converter = converter.add_exported_program(exported, input_names=inputs, output_names=outputs,
-                                                                 state_names=states, entrypoint_name="main")
+            coreai_composites.register(converter)
+            for name, graph in graphs.items():
+                states = written_states(graph)
+                inputs = [n.name for n, role in zip(graph.placeholders(), graph.input_roles)
+                          if not is_weight(role) and n.name not in states]
+                outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
+                exported = graph.to_exported_program(dense=True, states=frozenset(states))
+                # attention as the op coreai-torch makes Core AI's composite of; its rows that see no key 0, as in eager
+                as_sdpa(zero_masked_rows(exported.graph))
+                exported.graph_module.recompile()
+                exported = exported.run_decompositions({**ct.get_decomp_table(), **_DECOMPOSITIONS})
+                converter.add_exported_program(exported, input_names=inputs, output_names=outputs, state_names=states,
+                                               entrypoint_name=name)
             return converter.to_coreai()
 
     def compile(self, graph: CapturedGraph) -> Artifact:
+        return self.compile_functions({"main": graph})["main"]
+
+    def compile_functions(self, graphs: dict[str, CapturedGraph]) -> dict[str, Artifact]:
+        """One asset holding a function per graph (a generating bundle's prefill and decode: their
+        weights once), and each function's artifact: the asset, and how to call that function."""
         from coreai.authoring import AIModelAsset
 
-        program = self._convert(graph)
+        program = self._convert(graphs)
         with tempfile.TemporaryDirectory() as tmp, quiet():
             program.save_asset(Path(tmp) / "model.aimodel")
             payload = zip_folder(Path(tmp) / "model.aimodel")
             # the OS release the asset needs (its compatibility version: 27.0 for 1.0.0b3's programs)
             target = AIModelAsset.load(Path(tmp) / "model.aimodel").summary()._compatibility_version
-        states = written_states(graph)
-        runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
-        outs = graph.outputs()
-        return Artifact(self.name, payload, {
-            "os": f"macOS/iOS {target}", "inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
-            # per output: the state it is (its runtime input), or its dtype as the graph made it
-            "outputs": [[runtime.index(state_of(o))] if state_of(o) in states else str(o.meta["val"].dtype).removeprefix("torch.")
-                        for o in outs]})
+        return {name: Artifact(self.name, payload, {"os": f"macOS/iOS {target}", "function": name, **_calling(graph)})
+                for name, graph in graphs.items()}
 
     def load(self, artifact: Artifact) -> Runner:
         from coreai.authoring import AIModelAsset
@@ -138,7 +138,7 @@ class CoreAI:
         executable = asset.executable()
         with quiet(), native_notes_dropped("ODIE "):  # the runtime's note on each function it loads
             model = loop.run_until_complete(executable.__aenter__())
-            function = model.load_function("main")
+            function = model.load_function(artifact.meta.get("function", "main"))
         names, states, outputs = artifact.meta["inputs"], artifact.meta["states"], artifact.meta["outputs"]
         held = {k for _, k in states}
         produced_names = function.desc.output_names
@@ -157,6 +157,16 @@ class CoreAI:
                     torch.from_numpy(np.array(next(produced).numpy())).to(getattr(torch, o)) for o in outputs]
 
         return runner
+
+
+def _calling(graph: CapturedGraph) -> dict:
+    """How a runner calls the graph's function: its inputs and states by name, and its outputs."""
+    states = written_states(graph)
+    runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
+    return {"inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
+            # per output: the state it is (its runtime input), or its dtype as the graph made it
+            "outputs": [[runtime.index(state_of(o))] if state_of(o) in states else str(o.meta["val"].dtype).removeprefix("torch.")
+                        for o in graph.outputs()]}
 
 
 def _runtime_array(t: torch.Tensor) -> np.ndarray:

@@ -20,12 +20,12 @@ import torch
 import torch.fx as fx
 
 
-def register(converter: Any, exported: torch.export.ExportedProgram) -> None:
-    """Teach a coreai_torch.TorchConverter our composites, for converting `exported`."""
+def register(converter: Any) -> None:
+    """Teach a coreai_torch.TorchConverter our composites."""
     converter.register_torch_lowering("torchnative::rms_norm.default")(_rms_norm)
     converter.register_torch_lowering("torchnative::rope.default")(_rope)
     converter.register_torch_lowering("torchnative::quantized_mm.default")(
-        functools.partial(_quantized_mm, converter, _constants(exported)))
+        functools.partial(_quantized_mm, converter))
 
 
 def _constants(exported: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
@@ -39,13 +39,15 @@ def _constants(exported: torch.export.ExportedProgram) -> dict[str, torch.Tensor
     return found
 
 
-def _quantized_mm(converter: Any, constants: dict[str, torch.Tensor], values: dict, node: fx.Node, loc: Any):
+def _quantized_mm(converter: Any, values: dict, node: fx.Node, loc: Any):
     from coreai._compiler.dialects import coreai
     from coreai_torch._compression._intx import IntxTensor
 
     x, q, scale, bias, bits = node.args
     if bits == 4:
-        integers = converter._constant_from_tensor(IntxTensor.from_unpacked(constants[q.name], 4))
+        # the program being converted (a converter converts its programs one at a time)
+        weights = _constants(converter.exported_program)
+        integers = converter._constant_from_tensor(IntxTensor.from_unpacked(weights[q.name], 4))
     else:
         integers = values[q.name]
     scales = values[scale.name]
