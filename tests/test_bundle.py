@@ -260,10 +260,10 @@ def test_inspect_a_bundle_shows_partitions_and_finds_a_tampered_file(good, copy,
 # -- the disk cache ---------------------------------------------------------------------------------
 @pytest.fixture
 def cache_dir(tmp_path):
-    store.set_directory(tmp_path / "cache")
+    store.set_place(tmp_path / "cache")
     clear_caches()
     yield tmp_path / "cache"
-    store.set_directory(None)
+    store.set_place(None)
     clear_caches()
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent / "torchnative"
 
 # left to right; a module imports only from its own layer or those before it
 LAYERS = [
-    {"ir", "sizes", "events", "interface", "toolchain", "store", "grad", "quiet", "threads", "lru"},  # what every layer shares
+    {"ir", "sizes", "events", "interface", "toolchain", "remote", "store", "grad", "quiet", "threads", "lru"},  # what every layer shares
     {"shim"}, {"recording"}, {"passes"}, {"partitioner"}, {"delegates"}, {"build"}, {"cache"}, {"replay"}, {"bundle"}, {"inspector"},
     {"models", "cli", ""},  # "": the public API, torchnative/__init__.py
 ]

@@ -10,7 +10,7 @@ import torch
 import torchnative
 from tests.conftest import record
 from tests.test_numeric_gap import _PlusOne, _mlp
-from torchnative import events
+from torchnative import events, store
 from torchnative.build.verify import gap
 from torchnative.cache.program_cache import clear_caches, programs
 from torchnative.delegates import REGISTRY
@@ -60,7 +60,7 @@ def test_a_verdict_is_kept_with_its_disk_cache_entry(monkeypatch, tmp_path):
     """A second process (here: the in-memory caches cleared) takes the artifact and its verdict from
     the disk cache: the wrong partition is declined again without an eager run."""
     monkeypatch.setitem(REGISTRY, _OrtPlusOne.name, _OrtPlusOne())
-    monkeypatch.setattr("torchnative.store._dir", tmp_path)
+    monkeypatch.setattr(store, "_place", store._open(tmp_path))
     model, x = _mlp(), torch.randn(4, 16)
 
     def build() -> list:

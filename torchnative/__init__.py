@@ -261,4 +261,4 @@ def set_cache_dir(path: str | None) -> None:
     $TORCHNATIVE_CACHE_DIR, else $XDG_CACHE_HOME/torchnative or ~/.cache/torchnative); None turns
     the disk cache off. Entries are keyed by graph, delegate, toolchain versions and baked weights;
     a corrupt entry is rebuilt."""
-    store.set_directory(path)
+    store.set_place(path)

@@ -1,11 +1,11 @@
-"""Compiled partitions on disk, so that a second process starts warm (DESIGN.md §6).
+"""Compiled partitions kept across processes, so that a second process (or another machine sharing
+a bucket) starts warm (DESIGN.md §6).
 
-An entry is one file named by the hash of everything its artifact depends on: the partition's
-graph key, the delegate, the contents of the weights it bakes in, and the versions of torchnative,
-torch and the delegate's toolchain. It holds a JSON header (the artifact's metadata, size and
-sha256) and the payload. Entries are written to a temporary file and renamed into place, so two
-processes sharing the directory see a whole entry or none; an entry whose size or hash is wrong,
-or whose artifact fails to load, is deleted and rebuilt, never trusted.
+An entry is one object (store.py: a file, or an object in a shared bucket) named by the hash of
+everything its artifact depends on: the partition's graph key, the delegate, the contents of the
+weights it bakes in, and the versions of torchnative, torch and the delegate's toolchain. It holds a JSON header (the artifact's metadata, size and
+sha256) and the payload. Processes sharing the place see a whole entry or none; an entry whose size or
+hash is wrong, or whose artifact fails to load, is deleted and rebuilt, never trusted.
 """
 from __future__ import annotations
 
@@ -53,21 +53,12 @@ def _bytes(t: torch.Tensor):
 
 def get(entry: str, delegate: str, constants: dict[str, torch.Tensor]) -> Artifact | None:
     """The stored artifact, its external weights taken from `constants` (the graph's)."""
-    folder = store.directory()
-    if folder is None:
-        return None
-    path = folder / f"{entry}.entry"
-    try:
-        with open(path, "rb") as f:
-            header = json.loads(f.readline())
-            payload = f.read()
-    except FileNotFoundError:
+    stored = store.read(f"{entry}.entry")
+    if stored is None:
         store.count("misses")
         return None
-    except (OSError, ValueError):
-        header, payload = None, b""
-    if (not isinstance(header, dict) or header.get("delegate") != delegate or len(payload) != header.get("bytes")
-            or hashlib.sha256(payload).hexdigest() != header.get("sha256")):
+    header, payload = stored
+    if header.get("delegate") != delegate:
         discard(entry)
         return None
     store.count("hits")
@@ -78,41 +69,36 @@ def discard(entry: str) -> None:
     """A corrupt entry (or one whose artifact failed to load): removed, to be rebuilt, and its
     verdict with it (the rebuilt artifact is checked again)."""
     store.discard(f"{entry}.entry")
-    folder = store.directory()
-    if folder is not None:
-        (folder / f"{entry}.verdict").unlink(missing_ok=True)
+    store.remove(f"{entry}.verdict")
 
 
 def put(entry: str, artifact: Artifact) -> None:
-    if store.directory() is None:
+    if store.place() is None:
         return
     if artifact.live is not None:  # the delegate runs a Python object of this process (candle): memory only
         store.count("not cacheable")
         return
-    header = json.dumps({"delegate": artifact.delegate, "meta": artifact.meta, "ranges": artifact.ranges,
-                         "bounds": artifact.bounds, "bytes": len(artifact.payload),
-                         "sha256": hashlib.sha256(artifact.payload).hexdigest()})
-    store.write(f"{entry}.entry", header.encode() + b"\n" + artifact.payload)
+    store.write(f"{entry}.entry", artifact.payload, delegate=artifact.delegate, meta=artifact.meta,
+                ranges=artifact.ranges, bounds=artifact.bounds)
 
 
 def get_verdict(entry: str) -> dict | None:
     """The check's verdict on this artifact (build/verify.py), as an earlier process stored it."""
-    folder = store.directory()
-    if folder is None:
+    stored = store.read(f"{entry}.verdict")
+    if stored is None:
         return None
     try:
-        stored = json.loads((folder / f"{entry}.verdict").read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
+        verdict = json.loads(stored[1])
+    except ValueError:
+        verdict = None
+    if not isinstance(verdict, dict):
         store.discard(f"{entry}.verdict")
         return None
-    return stored if isinstance(stored, dict) else None
+    return verdict
 
 
 def put_verdict(entry: str, verdict: dict) -> None:
-    if store.directory() is not None:
-        store.write(f"{entry}.verdict", json.dumps(verdict).encode())
+    store.write(f"{entry}.verdict", json.dumps(verdict).encode())
 
 
 def plan_key(graph: CapturedGraph, delegates: Sequence[Delegate]) -> str:
@@ -123,17 +109,15 @@ def plan_key(graph: CapturedGraph, delegates: Sequence[Delegate]) -> str:
 def get_plan(entry: str, graph: fx.Graph) -> Plan | None:
     """A partitioning stored by an earlier process: asking every delegate about every node again
     costs seconds (ONNX Runtime's translation table alone takes 1.7 s to build)."""
-    folder = store.directory()
-    if folder is None:
+    stored = store.read(f"{entry}.plan")
+    if stored is None:
         return None
     try:
-        stored = json.loads((folder / f"{entry}.plan").read_text())
+        text = json.loads(stored[1])
         nodes = {n.name: n for n in graph.nodes}
-        plan = Plan([Partition(d, tuple(nodes[n] for n in names)) for d, names in stored["partitions"]],
-                    {n: [tuple(r) for r in reasons] for n, reasons in stored["declined"].items()})
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = Plan([Partition(d, tuple(nodes[n] for n in names)) for d, names in text["partitions"]],
+                    {n: [tuple(r) for r in reasons] for n, reasons in text["declined"].items()})
+    except (ValueError, KeyError, TypeError):
         store.discard(f"{entry}.plan")
         return None
     store.count("plan hits")

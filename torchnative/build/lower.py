@@ -77,7 +77,7 @@ def _lower(delegate: Delegate, part: Subgraph, graph_key: str) -> Lowered:
 def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -> tuple[Artifact, str | None, bool]:
     """From the disk cache (unless not `cached`), else compiled (and stored); with its cache entry
     (None without a disk cache) and whether it came from there."""
-    entry = disk_cache.key(delegate, graph) if store.directory() is not None else None
+    entry = disk_cache.key(delegate, graph) if store.place() is not None else None
     artifact = disk_cache.get(entry, delegate.name, graph.constants) if entry and cached else None
     if artifact is not None:
         return artifact, entry, True
@@ -90,7 +90,7 @@ def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -
 
 def _plan(graph: CapturedGraph, delegates: Sequence[Delegate]) -> Plan:
     """The partitioning, from the disk cache when an earlier process made it."""
-    entry = disk_cache.plan_key(graph, delegates) if store.directory() is not None else None
+    entry = disk_cache.plan_key(graph, delegates) if store.place() is not None else None
     plan = disk_cache.get_plan(entry, graph.gm.graph) if entry else None
     if plan is None:
         plan = partition(graph.gm.graph, delegates)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from torchnative import remote
 from torchnative.bundle import dynamic
 from torchnative.bundle import manifest as m
 from torchnative.bundle.build import CompiledBuckets, Compiled, CompiledMethod
@@ -251,10 +252,10 @@ def _shared_assets(compiled: Compiled) -> None:
 
 
 def save(compiled: Compiled, path: str | Path, model: str,
-         on_file: Callable[[str, int], None] = lambda name, size: None) -> tuple[Path, dict[str, bytes]]:
-    """Write the bundle at `path` (a directory, or a zip file if it ends in .zip); returns the path
-    and the files written."""
+         on_file: Callable[[str, int], None] = lambda name, size: None) -> tuple[Path | str, dict[str, bytes]]:
+    """Write the bundle at `path` (a directory, or a zip file if it ends in .zip; here or at an
+    fsspec URL); returns the path and the files written."""
     files = bundle_files(compiled, model)
-    path = Path(path)
+    path = path if remote.is_url(path) else Path(path)
     write(path, files, on_file)
     return path, files

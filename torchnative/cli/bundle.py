@@ -207,7 +207,7 @@ def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...
         finally:
             stop()
         progress.update(task, total=1, completed=1)
-        path = Path(out or f"{type(net).__name__}.bundle")
+        path = out or f"{type(net).__name__}.bundle"
         saving = progress.add_task(f"saving {path}", total=None)
         path, files = save(result, path, described, lambda name, size: progress.update(saving, advance=size))
         progress.update(saving, total=sum(map(len, files.values())), completed=sum(map(len, files.values())))
