@@ -1,4 +1,4 @@
-"""The `torchnative` command: demo, delegates, capture-and-compile, run, inspect."""
+"""The `torchnative` command: demo, delegates, capture-and-compile, run, inspect, compile-matrix."""
 from __future__ import annotations
 
 import click
@@ -6,6 +6,7 @@ import click
 from torchnative.cli.bundle import capture_and_compile, run
 from torchnative.cli.demo import demo
 from torchnative.cli.inspect import inspect
+from torchnative.cli.matrix import compile_matrix
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,6 +33,7 @@ cli.add_command(demo)
 cli.add_command(inspect)
 cli.add_command(capture_and_compile)
 cli.add_command(run)
+cli.add_command(compile_matrix)
 
 
 def main(argv: list[str] | None = None) -> int:

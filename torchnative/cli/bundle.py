@@ -4,11 +4,14 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
 
+from torchnative.interface import Tolerance
 from torchnative.models import DEFAULT_MODEL
 
 
@@ -59,40 +62,50 @@ def _progress():
                     TimeElapsedColumn(), console=console(stderr=True), transient=False)
 
 
-def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, bytes], path: Path,
-             seconds: float, diffs: dict[str, float]):
+def per_delegate(built: Built) -> dict[str, Counter]:
+    """Per delegate that built partitions: partitions, ops, build seconds, KiB in the bundle and
+    the worst gap from eager the build's check measured ("x (eager here)": a compile-only
+    delegate's partitions, which eager runs on this machine)."""
+    from torchnative.bundle.build import CompiledMethod
+
+    per: dict[str, Counter] = {}
+    for call in (c for m in built.compiled.methods.values() if isinstance(m, CompiledMethod) for c in m.trace.calls):
+        for s in call.program.steps:
+            made = s.artifact.delegate if s.artifact is not None else s.delegate
+            c = per.setdefault(made if made == s.delegate else f"{made} (eager here)", Counter())
+            c["partitions"] += 1
+            c["ops"] += len(s.graph.op_nodes())
+            c["seconds"] += s.compile_s
+            if s.verdict is not None:
+                c["gap"] = max(c.get("gap", 0.0), s.verdict.gap)
+    sizes = Counter()
+    for name, data in built.files.items():
+        sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
+    for d, c in per.items():
+        c["KiB"] = sizes.get(d.split(" ")[0], 0) / 1024
+    return per
+
+
+def _summary(built: Built):
     from rich.table import Table
     from rich.text import Text
 
     from torchnative.bundle.build import CompiledMethod
 
-    per: dict[str, Counter] = {}
-    declined: Counter = Counter()
+    compiled, fallbacks, pinned, files, path = built.compiled, built.fallbacks, built.pinned, built.files, built.path
     methods = {name: m for name, m in compiled.methods.items() if isinstance(m, CompiledMethod)}  # not the buckets' dispatch
-    calls = [call for m in methods.values() for call in m.trace.calls]
-    for call in calls:
+    declined: Counter = Counter()
+    for call in (c for m in methods.values() for c in m.trace.calls):
         declined.update((op, d, why) for op, d, why in call.program.declined)
-        for s in call.program.steps:
-            # a compile-only delegate's partition ships its artifact; eager runs it here
-            built = s.artifact.delegate if s.artifact is not None else s.delegate
-            c = per.setdefault(built if built == s.delegate else f"{built} (eager here)", Counter())
-            c["partitions"] += 1
-            c["ops"] += len(s.graph.op_nodes())
-            c["seconds"] += s.compile_s
-            if s.verdict is not None:  # the worst gap from eager the build's check measured
-                c["gap"] = max(c.get("gap", 0.0), s.verdict.gap)
+    per = per_delegate(built)
     total_ops = sum(c["ops"] for c in per.values()) or 1
-    sizes = Counter()
-    for name, data in files.items():
-        sizes[name.rsplit("_", 1)[-1].split(".")[0] if name.startswith("partitions/") else name] += len(data)
     graphs = ", ".join(f"{name} {len(m.trace.calls)}" for name, m in methods.items())
-    table = Table(title=f"graphs per method: {graphs}; {seconds:.1f} s")
+    table = Table(title=f"graphs per method: {graphs}; {built.seconds:.1f} s")
     for col in ("delegate", "partitions", "ops", "coverage", "build s", "KiB", "worst gap"):
         table.add_column(col, justify="left" if col == "delegate" else "right")
     for d, c in sorted(per.items(), key=lambda kv: -kv[1]["ops"]):
         table.add_row(d, str(c["partitions"]), str(c["ops"]), f"{100 * c['ops'] / total_ops:.0f}%",
-                      f"{c['seconds']:.2f}", f"{sizes.get(d.split(' ')[0], 0) / 1024:.0f}",
-                      f"{c['gap']:.1e}" if "gap" in c else "-")
+                      f"{c['seconds']:.2f}", f"{c['KiB']:.0f}", f"{c['gap']:.1e}" if "gap" in c else "-")
     rows = [Text(f"bundle {path}"), table]
     other = Table(title="also in the bundle")
     other.add_column("what")
@@ -108,16 +121,10 @@ def _summary(compiled, fallbacks: list, pinned: list[str], files: dict[str, byte
         other.add_row(f"declined by {d}", f"{n}× {op}: {why[:120]}")
     for note in compiled.notes:
         other.add_row("note", note)
-    other.add_row("check", "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in diffs.items())
+    other.add_row("check", "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in built.diffs.items())
                   + " (the saved bundle, loaded back, vs eager)")
     rows.append(other)
     return rows
-
-
-def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if not a.dtype.is_floating_point:
-        return float((a != b).any())
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 @click.command("capture-and-compile")
@@ -158,74 +165,141 @@ def capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...]
         return 2
 
 
-def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
-                         quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
-                         cache_len: int, prefill_len: int, dynamic: str | None) -> int:
+@dataclass
+class Built:
+    """A bundle written and checked: what `capture-and-compile` shows, and a matrix cell reports."""
+    compiled: Any          # bundle.build.Compiled
+    net: torch.nn.Module
+    path: Path | str
+    files: dict[str, bytes]
+    fallbacks: list
+    pinned: list[str]
+    inputs: dict[str, torch.Tensor]  # a one-call bundle's example inputs ({} for a generating one)
+    generate: bool
+    diffs: dict            # the bundle loaded back vs eager
+    matches: bool          # ... within the check's tolerance
+    seconds: float
+
+
+class _Silent:
+    """Progress that shows nothing (a matrix cell's build on a worker)."""
+
+    def add_task(self, *args, **kwargs) -> int:
+        return 0
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+
+def build_bundle(model: str, config: str = "tiny", targets: str | None = None, quantize: str | None = None,
+                 out: str | None = None, generate: bool | None = None, pins: tuple[str, ...] = (),
+                 example_inputs: tuple[str, ...] = (), cache_len: int = 128, prefill_len: int = 16,
+                 dynamic: str | None = None, progress: Any = None) -> Built:
+    """Capture MODEL, compile it for the targets, write the bundle at `out` (a path or URL), load it
+    back and check it against eager; `progress`: a rich Progress to follow it (or none)."""
     from torchnative import events
     from torchnative.bundle import load
     from torchnative.bundle.build import compile_call, compile_generation, generates
     from torchnative.bundle.dynamic import parse as parse_dynamic
     from torchnative.bundle.save import save
-    from torchnative.inspector.report import console, show
 
     started = time.perf_counter()
+    progress = progress or _Silent()
     fallbacks: list = []
-    con = console()
     target_list = targets.split(",") if targets else None
-    with _progress() as progress:
-        task = progress.add_task(f"building {model}", total=None)
-        net, given, described = _model(model, config)
-        generate = generates(net) if generate is None else generate
-        if generate and (example_inputs or dynamic):
-            raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens (a prompt of any "
-                                   "length runs in chunks); --example-input and --dynamic are for one call (--no-generate)")
-        pinned = _pin(net, pins)
-        tasks: dict[str, int] = {}
+    task = progress.add_task(f"building {model}", total=None)
+    net, given, described = _model(model, config)
+    generate = generates(net) if generate is None else generate
+    if generate and (example_inputs or dynamic):
+        raise click.UsageError("a generating bundle takes token ids of --prefill-len and 1 tokens (a prompt of any "
+                               "length runs in chunks); --example-input and --dynamic are for one call (--no-generate)")
+    pinned = _pin(net, pins)
+    tasks: dict[str, int] = {}
 
-        def follow(event) -> None:
-            if isinstance(event, events.Fallback):
-                fallbacks.append(event)
-            elif isinstance(event, events.Partitioned):
-                parts = Counter(d for d, _ in event.partitions)
-                tasks[event.graph_key] = progress.add_task(
-                    f"compiling graph {len(tasks)}: " + ", ".join(f"{n} {d}" for d, n in parts.items()),
-                    total=len(event.partitions))
-            elif isinstance(event, events.PartitionLowered) and event.graph_key in tasks:
-                progress.update(tasks[event.graph_key], advance=1)
+    def follow(event) -> None:
+        if isinstance(event, events.Fallback):
+            fallbacks.append(event)
+        elif isinstance(event, events.Partitioned):
+            parts = Counter(d for d, _ in event.partitions)
+            tasks[event.graph_key] = progress.add_task(
+                f"compiling graph {len(tasks)}: " + ", ".join(f"{n} {d}" for d, n in parts.items()),
+                total=len(event.partitions))
+        elif isinstance(event, events.PartitionLowered) and event.graph_key in tasks:
+            progress.update(tasks[event.graph_key], advance=1)
 
-        stop = events.listen(follow)
-        try:
-            if generate:
-                progress.update(task, description="capturing prefill and decode over a static KV cache")
-                result = compile_generation(net, target_list, quantize, cache_len, prefill_len)
-                inputs = {}
-            else:
-                inputs = _inputs(net, given, example_inputs)
-                sized = parse_dynamic(dynamic) if dynamic else None
-                progress.update(task, description="capturing one call (eager)" + (" at three sizes" if sized else ""))
-                result = compile_call(net, inputs, target_list, quantize, sized)
-        finally:
-            stop()
-        progress.update(task, total=1, completed=1)
-        path = out or f"{type(net).__name__}.bundle"
-        saving = progress.add_task(f"saving {path}", total=None)
-        path, files = save(result, path, described, lambda name, size: progress.update(saving, advance=size))
-        progress.update(saving, total=sum(map(len, files.values())), completed=sum(map(len, files.values())))
-        checking = progress.add_task("loading the bundle back and checking it against eager", total=1)
-        diffs = _generate_check(net, load(path), result) if generate else _forward_check(load(path), result)
-        progress.update(checking, advance=1)
-    show(con, _summary(result, fallbacks, pinned, files, path, time.perf_counter() - started, diffs))
+    stop = events.listen(follow)
+    try:
+        if generate:
+            progress.update(task, description="capturing prefill and decode over a static KV cache")
+            result = compile_generation(net, target_list, quantize, cache_len, prefill_len)
+            inputs = {}
+        else:
+            inputs = _inputs(net, given, example_inputs)
+            sized = parse_dynamic(dynamic) if dynamic else None
+            progress.update(task, description="capturing one call (eager)" + (" at three sizes" if sized else ""))
+            result = compile_call(net, inputs, target_list, quantize, sized)
+    finally:
+        stop()
+    progress.update(task, total=1, completed=1)
+    path = out or f"{type(net).__name__}.bundle"
+    saving = progress.add_task(f"saving {path}", total=None)
+    path, files = save(result, path, described, lambda name, size: progress.update(saving, advance=size))
+    progress.update(saving, total=sum(map(len, files.values())), completed=sum(map(len, files.values())))
+    checking = progress.add_task("loading the bundle back and checking it against eager", total=1)
     if generate:
-        click.echo(f"run it: torchnative run {path} --generate 32")
+        diffs = _generate_check(net, load(path), result)
+        matches = all("identical" in v for v in diffs.values())
     else:
-        click.echo(f"run it: torchnative run {path} " + " ".join(f"--input {n}=random" for n in inputs))
+        tolerance = _tolerance(result, quantize)
+        diffs = _forward_check(load(path), result, tolerance)
+        matches = all(v <= tolerance.bound for v in diffs.values())
+    progress.update(checking, advance=1)
+    return Built(result, net, path, files, fallbacks, pinned, inputs, generate, diffs, matches, time.perf_counter() - started)
+
+
+# how far a whole bundle's outputs may be from eager's and match: float32 kernels' rounding over
+# a model's partitions, or the error of weights quantized to 8 and 4 bits
+_WHOLE = {None: Tolerance("scale", 1e-3, "float32 kernels' rounding over the model's partitions"),
+          "int8": Tolerance("scale", 0.05, "int8 weights"), "int4": Tolerance("scale", 0.2, "int4 weights")}
+
+
+def _tolerance(compiled, quantize: str | None) -> Tolerance:
+    """The loosest of the weights' scheme and what the partitions' delegates state (HTP's
+    quantized activations: a relative L2 bound)."""
+    from torchnative.build.verify import tolerance_of
+    from torchnative.bundle.build import CompiledMethod
+    from torchnative.delegates import REGISTRY
+
+    stated = [tolerance_of(REGISTRY[s.delegate], s.graph) for m in compiled.methods.values()
+              if isinstance(m, CompiledMethod) for c in m.trace.calls for s in c.program.steps if s.delegate in REGISTRY]
+    return max([_WHOLE[quantize], *stated], key=lambda t: t.bound)
+
+
+def _capture_and_compile(model: str, config: str, example_inputs: tuple[str, ...], targets: str | None,
+                         quantize: str | None, pins: tuple[str, ...], out: str | None, generate: bool | None,
+                         cache_len: int, prefill_len: int, dynamic: str | None) -> int:
+    from torchnative.inspector.report import console, show
+
+    con = console()
+    with _progress() as progress:
+        built = build_bundle(model, config, targets, quantize, out, generate, pins, example_inputs, cache_len,
+                             prefill_len, dynamic, progress)
+    show(con, _summary(built))
+    if built.generate:
+        click.echo(f"run it: torchnative run {built.path} --generate 32")
+    else:
+        click.echo(f"run it: torchnative run {built.path} " + " ".join(f"--input {n}=random" for n in built.inputs))
     return 0
 
 
-def _forward_check(loaded, compiled) -> dict:
+def _forward_check(loaded, compiled, tolerance: Tolerance) -> dict:
+    from torchnative.build.verify import gap
+
     forward = compiled.methods["forward"]
     outputs = loaded(**forward.inputs)
-    return {f"{name} max rel diff": _rel_diff(outputs[name], ref) for name, ref in zip(forward.output_names, forward.reference)}
+    measure = "max rel diff" if tolerance.kind == "scale" else "rel L2"
+    return {f"{name} {measure} (≤ {tolerance.bound:g}: {tolerance.why})": gap(outputs[name], ref, tolerance.kind)
+            for name, ref in zip(forward.output_names, forward.reference)}
 
 
 def _generate_check(net: torch.nn.Module, loaded, compiled, new_tokens: int = 8) -> dict:
