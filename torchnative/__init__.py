@@ -258,7 +258,7 @@ def set_verify(enabled: bool) -> None:
 
 def set_cache_dir(path: str | None) -> None:
     """Where `accelerate()` keeps compiled partitions across processes (default:
-    $TORCHNATIVE_CACHE_DIR, else $XDG_CACHE_HOME/torchnative or ~/.cache/torchnative); None turns
-    the disk cache off. Entries are keyed by graph, delegate, toolchain versions and baked weights;
-    a corrupt entry is rebuilt."""
+    $TORCHNATIVE_CACHE_DIR, else $XDG_CACHE_HOME/torchnative or ~/.cache/torchnative): a directory,
+    or an fsspec URL (`s3://bucket/prefix`) that machines share; None turns the cache off. Entries
+    are keyed by graph, delegate, toolchain versions and baked weights; a corrupt one is rebuilt."""
     store.set_place(path)
