@@ -88,3 +88,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("partitions the build's check declined (build/verify.py)")
         for e, test in _DECLINED:
             terminalreporter.write_line(f"{e.delegate}, {e.n_ops} ops, graph {e.graph_key[:12]} ({test}): {e.reason}")
+
+
+@pytest.fixture(autouse=True)
+def _no_vulkan_device_left_polling():
+    """A test's Vulkan programs go when it ends: each holds IREE's Vulkan device, whose queue
+    threads poll (two cores busy on lavapipe) for as long as it lives (delegates/iree.py), and
+    would slow every test after it."""
+    yield
+    from torchnative.delegates import iree
+
+    lease = iree._devices.get("vulkan")
+    if lease is not None and lease() is not None:
+        import gc
+
+        from torchnative.cache.program_cache import clear_caches
+
+        clear_caches()
+        gc.collect()

@@ -60,3 +60,28 @@ def test_weights_are_arguments_not_part_of_the_artifact():
     step = next(e.step for e in built if e.step.delegate == "iree-cpu")
     weight_bytes = sum(p.numel() * 4 for p in mlp.parameters())
     assert step.artifact_bytes < weight_bytes / 4  # the code alone; the weights are uploaded at load
+
+
+@needs["vulkan"]
+def test_the_vulkan_device_goes_with_the_last_program_on_it():
+    """IREE's Vulkan device polls its queues on two threads while it lives (two cores busy on
+    lavapipe): it lives while a program holds it, not for the rest of the process."""
+    import gc
+    import time
+
+    from torchnative.cache.program_cache import clear_caches
+    from torchnative.delegates import iree
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    x = torch.randn(2, 16)
+    with torch.no_grad(), torchnative.capture(["vulkan"], compile_after=1):
+        y = mlp(x)
+    torch.testing.assert_close(y, mlp(x), rtol=1e-5, atol=1e-5)
+    assert iree._devices["vulkan"]() is not None
+    clear_caches()
+    gc.collect()
+    assert iree._devices["vulkan"]() is None
+    before, started = time.process_time(), time.perf_counter()
+    time.sleep(0.5)
+    busy = (time.process_time() - before) / (time.perf_counter() - started)
+    assert busy < 0.5, f"the process kept {busy:.1f} cores busy while idle"

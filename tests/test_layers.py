@@ -98,6 +98,7 @@ def test_the_checks_see_a_wrong_import(tmp_path):
 # at import (registries, op sets), except those listed here too; a new lower-case table is either
 # an Lru or listed here with its reason.
 ALLOWED_TABLES = {
+    "torchnative.delegates.iree._devices": "one per IREE driver (vulkan, local-task)",
     "torchnative.recording.ops._CLASSES": "one entry per aten op overload: bounded by torch's op set",
     "torchnative.recording.trie.REFS": "one interned slot reference per slot number: bounded by the largest graph",
     "torchnative.passes.pin._pins": "one entry per pinned tensor, dropped with the tensor (weakref)",

@@ -40,13 +40,27 @@ def small_cnn():
     return SmallCNN().eval(), {"x": torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(1))}
 
 
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return MLP().eval(), {"x": torch.randn(4, 32, generator=torch.Generator().manual_seed(1))}
+
+
 def dies_once():
     """The first worker to build this dies (as one killed or out of memory would); the next builds it."""
     marker = Path(__file__).with_name("died")
     if not marker.exists():
         marker.write_text(str(os.getpid()))
         os._exit(1)
-    return small_cnn()
+    return mlp()
 '''
 
 
@@ -78,45 +92,48 @@ def _run(path: Path, tmp_path: Path, *extra: str) -> tuple[int, dict]:
     return code, {r["cell"]: r for r in json.loads(out.read_text())["rows"]}
 
 
-def _eager(tmp_path: Path):
+def _eager(tmp_path: Path, factory: str = "small_cnn"):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("nets_eager", tmp_path / "nets.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model, inputs = module.small_cnn()
+    model, inputs = getattr(module, factory)()
     with torch.no_grad():
         return model(**inputs), inputs
 
 
 def test_a_matrix_on_ray_builds_shares_its_cache_and_survives_a_dead_worker(local_ray, bucket, tmp_path):  # noqa: F811
     url, fs = bucket
-    path = _matrix(tmp_path, url, ["nets.py:small_cnn", "nets.py:dies_once"], ["ort", "qnn"], ["float", "int8"])
+    path = _matrix(tmp_path, url, ["nets.py:small_cnn", "nets.py:dies_once"], ["ort", "xnnpack", "qnn"], ["float", "int8"])
     code, cold = _run(path, tmp_path)
-    assert code == 0 and len(cold) == 8, cold
-    assert all(r["status"] == "ok" and r["matches"] for r in cold.values()), cold
+    assert code == 0 and len(cold) == 12, cold
+    for row in cold.values():  # a target that took nothing says why (xnnpack: the int8 conv net's convolution)
+        assert row["matches"] and (row["status"] == "ok" or (row["status"] == "refused" and row["refusal"])), row
     # the dying factory's cells: the first to run lost its worker, Ray ran it again, the row says so
     retried = [r for r in cold.values() if r["retried"]]
     assert len(retried) == 1 and retried[0]["attempts"] == 2 and retried[0]["cell"].startswith("nets:dies_once"), cold
     assert (tmp_path / "died").exists()
     # every bundle loads from the bucket here and matches eager (a third process: this one)
-    expected, inputs = _eager(tmp_path)
+    eager = {"small_cnn": _eager(tmp_path), "dies_once": _eager(tmp_path, "mlp")}
     for row in cold.values():
+        expected, inputs = eager[row["cell"].split(":")[1].split("-")[0]]
         got = torchnative.load(row["bundle"])(**inputs)["output"]
         bound = 0.05 if row["target"] == "qnn" or row["quantize"] == "int8" else 1e-4
         torch.testing.assert_close(got, expected, rtol=0, atol=bound * expected.abs().max().item())
 
     code, warm = _run(path, tmp_path)  # served from the shared cache: nothing compiled again
-    assert code == 0 and all(r["status"] == "ok" for r in warm.values())
+    assert code == 0 and [r["status"] for r in warm.values()] == [r["status"] for r in cold.values()]
     for name, row in warm.items():
-        assert row["cache"].get("hits", 0) >= 1 and "misses" not in row["cache"], (name, row["cache"])
+        if row["status"] == "ok":
+            assert row["cache"].get("hits", 0) >= 1 and "misses" not in row["cache"], (name, row["cache"])
     assert sum(r["compile_s"] for r in warm.values()) < 0.5 * sum(r["compile_s"] for r in cold.values())
 
     entries = [p for p in fs.find(f"{url.removeprefix('s3://')}/cache") if p.endswith(".entry")]
     damaged = entries[0]
     fs.pipe_file(damaged, fs.cat_file(damaged)[:-7] + b"garbage")
     code, third = _run(path, tmp_path)
-    assert code == 0 and all(r["status"] == "ok" for r in third.values())
+    assert code == 0 and [r["status"] for r in third.values()] == [r["status"] for r in cold.values()]
     corrupt = [r for r in third.values() if r["cache"].get("corrupt")]
     assert corrupt and all(r["cache"].get("misses") for r in corrupt), third  # detected, rebuilt
     assert fs.cat_file(damaged)[-7:] != b"garbage"  # and written whole again
@@ -154,8 +171,9 @@ def test_a_wrong_matrix_file_is_refused_with_where(tmp_path, text, message):
 
 @pytest.mark.slow
 def test_two_models_three_targets_two_quantizations(local_ray, bucket, tmp_path):  # noqa: F811
-    """The issue's matrix: tiny BERT and a conv net × ort, xnnpack, qnn × float, int8; every bundle
-    loads from the bucket and matches eager; the second run compiles nothing."""
+    """Tiny BERT and a conv net × ort, xnnpack, qnn × float, int8 (a transformers model beside the
+    default suite's small nets); every bundle loads from the bucket and matches eager; the second
+    run compiles nothing."""
     from torchnative import models
 
     url, _ = bucket

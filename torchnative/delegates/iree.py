@@ -13,11 +13,12 @@ path's, times are not a GPU's.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 import io
 import os
 import re
+import threading
+import weakref
 
 import numpy as np
 import torch
@@ -89,12 +90,31 @@ def _mlir(exported: torch.export.ExportedProgram) -> bytes:
     return out.getvalue()
 
 
-@functools.cache
-def _device(driver: str):
-    import iree.runtime as rt
+class _Lease:
+    """A device, held by the programs loaded on it. IREE's Vulkan device keeps two threads polling
+    its queues (on Mesa's lavapipe: two cores busy for as long as the device lives, which slowed
+    everything a process did after its first Vulkan program), so a Vulkan device lives only while
+    a program holds it. The CPU device's workers sleep: it is kept for the process, as
+    iree.runtime keeps devices (tensors handed to torch without a copy hold its buffers)."""
 
-    os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # the Vulkan loader complains without one
-    return rt.get_device(driver)
+    def __init__(self, driver: str):
+        import iree.runtime as rt
+
+        os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")  # the Vulkan loader complains without one
+        self.device = rt.get_device(driver, cache=driver != "vulkan")
+
+
+_devices: dict[str, weakref.ref] = {}  # driver -> the lease its live programs share
+_leasing = threading.Lock()
+
+
+def _device(driver: str) -> _Lease:
+    with _leasing:
+        lease = _devices[driver]() if driver in _devices else None
+        if lease is None:
+            lease = _Lease(driver)
+            _devices[driver] = weakref.ref(lease)
+        return lease
 
 
 class Iree:
@@ -132,7 +152,8 @@ class Iree:
         names = ", ".join(d["name"] for d in devices)
         if "llvmpipe" in names:
             return Availability("executes", f"software Vulkan ({names.split(' (')[0]}, Mesa lavapipe): results "
-                                            "are the GPU path's, times are the CPU's")
+                                            "are the GPU path's, times are the CPU's; while a Vulkan program is loaded "
+                                            "IREE's device polls its queues on two threads (two cores busy)")
         return Availability("executes", "" if self.driver.startswith("local") else names)
 
     def supports(self, node: fx.Node) -> Support:
@@ -159,7 +180,8 @@ class Iree:
     def load(self, artifact: Artifact) -> Runner:
         import iree.runtime as rt
 
-        device = _device(self.driver)
+        lease = _device(self.driver)
+        device = lease.device
         instance = rt.VmInstance()
         module = rt.VmModule.copy_buffer(instance, artifact.payload)
         context = rt.VmContext(instance, [rt.create_hal_module(instance, device), module])
@@ -169,10 +191,10 @@ class Iree:
         weights = {name: _upload(device, artifact.constants[name]) for kind, name in artifact.meta["arguments"] if kind == "weight"}
         order = [weights[name] if kind == "weight" else name for kind, name in artifact.meta["arguments"]]
         if self.driver == "vulkan":
-            return _VulkanCall(device, context, module, order)
+            return _VulkanCall(lease, context, module, order)
         function = module.lookup_function("main")
 
-        def run(inputs: list[torch.Tensor], _keep=(instance, module, context)) -> list[torch.Tensor]:
+        def run(inputs: list[torch.Tensor], _keep=(lease, instance, module, context)) -> list[torch.Tensor]:
             results = rt.VmVariantList(1)
             context.invoke(function, _arguments_list(device, order, inputs), results)
             # host-local buffers: handed to torch without a copy (the capsule keeps them alive)
@@ -211,10 +233,14 @@ class _VulkanCall:
     import unaligned host memory (what `to_host()` does), so every output is copied into one
     host-visible staging buffer by a command buffer queued after the call, then read mapped."""
 
-    def __init__(self, device, context, module, order: list):
-        self.device, self.context, self.module, self.order = device, context, module, order
+    def __init__(self, lease: _Lease, context, module, order: list):
+        self.lease, self.device, self.context, self.module, self.order = lease, lease.device, context, module, order
         self.function = module.lookup_function("main$async")
         self.staging, self.size = None, 0
+
+    def __del__(self) -> None:
+        # what lives on the device goes before the device may (the last program on it: its lease)
+        self.staging = self.order = self.function = self.context = self.module = self.device = None
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         import iree.runtime as rt
