@@ -150,10 +150,14 @@ def test_a_failing_cell_is_a_row_and_the_others_complete(local_ray, bucket, tmp_
 
 
 def test_serial_builds_the_same_cells_without_ray(tmp_path):
+    from torchnative import store
+
+    before = store.place()
     path = _matrix(tmp_path, str(tmp_path), ["nets.py:small_cnn"], ["ort"], ["float", "int4"])
     code, rows = _run(path, tmp_path, "--serial")
     assert code == 0 and {r["status"] for r in rows.values()} == {"ok"} and len(rows) == 2
     assert all(Path(r["bundle"]).is_dir() for r in rows.values())
+    assert store.place() is before  # the cells' cache was theirs, not this process's from then on
 
 
 @pytest.mark.parametrize("text, message", [

@@ -14,8 +14,9 @@ import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from torchnative import events, remote
 
@@ -104,6 +105,19 @@ def set_place(path: str | os.PathLike | None) -> None:
     turns the cache off."""
     global _place
     _place = _open(path) if path is not None else None
+
+
+@contextmanager
+def placed(path: str | os.PathLike | None) -> Iterator[None]:
+    """The cache at `path` inside the block, where it was after (a matrix cell run in the caller's
+    process)."""
+    global _place
+    before = place()
+    set_place(path)
+    try:
+        yield
+    finally:
+        _place = before
 
 
 def count(what: str) -> None:

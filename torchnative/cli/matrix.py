@@ -8,6 +8,7 @@ eager) and returns one row. A cell that fails is a row with its error; a worker 
 is retried by Ray (the row counts the attempts, kept by an actor outside the workers)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -94,6 +95,7 @@ def _model(text: str, base: Path) -> tuple[str, str]:
 def run_cell(cell: Cell, out: str, cache: str | None, options: dict, started: Callable[[], int]) -> dict:
     """Build one cell's bundle (in this process) and describe it as a row; never raises."""
     import torchnative
+    from torchnative import store
     from torchnative.cache.program_cache import clear_caches
     from torchnative.cli.bundle import build_bundle, per_delegate
 
@@ -101,18 +103,17 @@ def run_cell(cell: Cell, out: str, cache: str | None, options: dict, started: Ca
     t0 = time.perf_counter()
     row: dict[str, Any] = {"cell": cell.name, "model": cell.model, "config": cell.config, "target": cell.target,
                            "quantize": cell.quantize or "float", "attempts": attempt, "host": os.uname().nodename}
-    if cache is not None:
-        torchnative.set_cache_dir(cache)
-    clear_caches()  # a worker runs many cells: each starts as a new process would, from the shared cache alone
-    torchnative.reset_stats()
-    try:
-        built = build_bundle(cell.model, cell.config, cell.target, cell.quantize, f"{out}/{cell.name}.bundle",
-                             options.get("generate"), tuple(options.get("pins", ())),
-                             cache_len=options.get("cache_len", 128), prefill_len=options.get("prefill_len", 16))
-    except Exception as e:  # a failed cell is a row; the others go on
-        row.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000], seconds=time.perf_counter() - t0,
-                   cache=dict(torchnative.stats()["disk_cache"]))
-        return row
+    with store.placed(cache) if cache is not None else contextlib.nullcontext():
+        clear_caches()  # a worker runs many cells: each starts as a new process would, from the shared cache alone
+        torchnative.reset_stats()
+        try:
+            built = build_bundle(cell.model, cell.config, cell.target, cell.quantize, f"{out}/{cell.name}.bundle",
+                                 options.get("generate"), tuple(options.get("pins", ())),
+                                 cache_len=options.get("cache_len", 128), prefill_len=options.get("prefill_len", 16))
+        except Exception as e:  # a failed cell is a row; the others go on
+            row.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000], seconds=time.perf_counter() - t0,
+                       cache=dict(torchnative.stats()["disk_cache"]))
+            return row
     per = per_delegate(built)
     ops = sum(c["ops"] for c in per.values()) or 1
     on_target = per.get(cell.target, {})
