@@ -13,11 +13,12 @@ import torch
 import torch.fx as fx
 
 import torchnative
+from tests.conftest import record
 from tests.test_bundle_generate import LONG, SLIDING_CACHE, WINDOW, _sliding
 from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save
 from torchnative.delegates import REGISTRY
-from torchnative import models
+from torchnative import events, models
 from torchnative.delegates.coreml import unpack
 from torchnative.passes.fuse import fuse
 
@@ -174,3 +175,25 @@ def test_a_fast_weight_layer_streams_on_core_ai_as_eager_does():
         with torchnative.capture(["coreai"], compile_after=1, background=False):
             e = torchnative.explain(lambda: reference(x))
     assert [d for parts in e.partitions for d, _ in parts] == ["coreai"], e.partitions
+
+
+def test_a_fast_weight_is_a_core_ai_state():
+    """The fast weight W, written whole by the step and read by nothing outside its partition, is a
+    state of the Core AI function (updated in place by the runtime), not an input and an output;
+    streaming calls stay eager's."""
+    torch.manual_seed(0)
+    model = _FastWeights().eval()
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=1, background=False)
+    with torch.no_grad(), record(events.PartitionCompiled) as built:
+        for _ in range(4):
+            x = torch.randn(8, 16)
+            torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.W, reference.W, rtol=1e-5, atol=1e-6)
+    step = next(e.step for e in built if e.step.delegate == "coreai")
+    assert step.graph.written_into  # W's new value, and nothing outside the partition reads the old one
+    meta = REGISTRY["coreai"].compile(step.graph).meta
+    (state, k), = meta["states"]
+    placeholder = next(p for p in step.graph.placeholders() if p.name == state)
+    assert placeholder.meta["val"].shape == (16, 16) and state not in meta["inputs"]  # W
+    assert [k] in meta["outputs"]  # its new value is the state itself, not a Core AI output

@@ -43,7 +43,7 @@ def is_weight(role: Role) -> bool:
 def _is_state_value(n: fx.Node, states: frozenset[str]) -> bool:
     """A state placeholder, or its in-place write (which returns it)."""
     return n.op == "placeholder" and n.name in states or \
-        n.target is torch.ops.aten.index_put_.default and _is_state_value(n.args[0], states)
+        n.target in (torch.ops.aten.index_put_.default, torch.ops.aten.copy_.default) and _is_state_value(n.args[0], states)
 
 
 @dataclass
@@ -66,6 +66,9 @@ class CapturedGraph:
     # for each `state_update` output, in order: the index of the placeholder whose tensor it is
     # written into after the run
     writes: tuple[int, ...] = ()
+    # a partition's (output, placeholder) pairs: the output is the placeholder's new value, written
+    # back after the run, and nothing outside the partition reads the old one (partitioner/subgraph.py)
+    written_into: tuple[tuple[int, int], ...] = ()
     _key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +82,7 @@ class CapturedGraph:
         g = fx.Graph()
         g.output(g.graph_copy(self.gm.graph, {}))
         return CapturedGraph(module_of(g), list(self.input_roles), list(self.output_roles),
-                             self.constants, self.samples, self.writes)
+                             self.constants, self.samples, self.writes, self.written_into)
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -151,6 +154,6 @@ class CapturedGraph:
                 meta = (tuple(val.shape), tuple(val.stride()), val.dtype, n.meta.get(HALVES, False)) \
                     if isinstance(val, torch.Tensor) else None
                 h.update(repr((n.op, str(n.target), n.args, n.kwargs, meta, n.meta.get(SIZES))).encode())
-            h.update(repr((self.input_roles, self.output_roles, self.writes)).encode())
+            h.update(repr((self.input_roles, self.output_roles, self.writes, self.written_into)).encode())
             self._key = h.hexdigest()
         return self._key

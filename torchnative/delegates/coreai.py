@@ -30,7 +30,7 @@ from torchnative.delegates.probe import Probe
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.attention import as_sdpa, zero_masked_rows
-from torchnative.passes.state import state_of, written_states
+from torchnative.passes.state import state_of, whole_writes, written_states
 from torchnative.quiet import native_notes_dropped, quiet
 
 _HINT = "pip install coreai-torch==0.4.3 coreai-core==1.0.0b3"
@@ -119,6 +119,7 @@ class CoreAI:
         weights once), and each function's artifact: the asset, and how to call that function."""
         from coreai.authoring import AIModelAsset
 
+        graphs = {name: whole_writes(g) for name, g in graphs.items()}  # fast weights as states
         program = self._convert(graphs)
         with tempfile.TemporaryDirectory() as tmp, quiet():
             program.save_asset(Path(tmp) / "model.aimodel")
@@ -150,8 +151,9 @@ class CoreAI:
             state = {n: NDArray(_runtime_array(values[k])) for n, k in states}
             with lock:
                 got = loop.run_until_complete(function(feed, state=state))
-            for n, k in states:
-                values[k].copy_(torch.from_numpy(np.asarray(state[n].numpy())))
+            with torch.no_grad():  # a fast weight may be a parameter: the write is the state's, not autograd's
+                for n, k in states:
+                    values[k].copy_(torch.from_numpy(np.asarray(state[n].numpy())))
             produced = iter(got[n] for n in produced_names)
             return [values[o[0]] if isinstance(o, list) else
                     torch.from_numpy(np.array(next(produced).numpy())).to(getattr(torch, o)) for o in outputs]

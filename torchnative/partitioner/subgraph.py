@@ -27,6 +27,21 @@ def written_back(parent: CapturedGraph) -> set[fx.Node]:
     return {n for n, role in zip(outputs, parent.output_roles) if role == "state_update"} - regular
 
 
+def _written_into(parent: CapturedGraph, inside: set[fx.Node], reads: list[fx.Node],
+                  outputs: list[fx.Node]) -> tuple[tuple[int, int], ...]:
+    """(output, placeholder) of the partition for each new value of a parent input the partition
+    both reads and computes, where every reader of the old value is inside it: a delegate may then
+    keep that input as its own state, written at the end (passes/state.whole_writes)."""
+    placeholders = parent.placeholders()
+    new = parent.outputs()[len(parent.outputs()) - len(parent.writes):]
+    pairs = []
+    for value, i in zip(new, parent.writes):
+        old = placeholders[i]
+        if value in outputs and old in reads and all(u in inside for u in old.users):
+            pairs.append((outputs.index(value), reads.index(old)))
+    return tuple(pairs)
+
+
 def _carriers(parent: CapturedGraph, nodes: tuple[fx.Node, ...], reads: list[fx.Node]) -> list[fx.Node]:
     """Inputs of the parent that size a symbol the partition's integers follow and none of its
     own inputs has (an `arange(L)` whose partition reads no tensor of length L): the partition
@@ -72,7 +87,7 @@ def extract(parent: CapturedGraph, part: Partition, inputs: list[torch.Tensor], 
     out_roles: list[OutputRole] = [
         "written_back" if n in only_written_back and all(u.op == "output" for u in n.users if u not in inside) else "output"
         for n in outputs]
-    sub = CapturedGraph(module_of(g), roles, out_roles, constants)
+    sub = CapturedGraph(module_of(g), roles, out_roles, constants, written_into=_written_into(parent, inside, reads, outputs))
     if samples is not None:
         sub.samples = [[seen[i] for i in reads] for seen in samples]
     return Subgraph(sub, reads, outputs)

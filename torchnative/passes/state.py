@@ -18,6 +18,7 @@ import torch.fx as fx
 from torchnative.ir import CapturedGraph
 
 SLICE_UPDATE = torch.ops.aten.index_put_.default
+WHOLE_UPDATE = torch.ops.aten.copy_.default
 _INDEX_PUT = torch.ops.aten.index_put.default
 
 
@@ -51,13 +52,40 @@ def slice_updates(graph: CapturedGraph) -> CapturedGraph:
     return graph
 
 
+def whole_writes(graph: CapturedGraph) -> CapturedGraph:
+    """A partition's inputs it computes the whole new value of (a fast weight's W - lr·∇), which
+    nothing outside it reads the old value of (`written_into`), written at its end by
+    `aten.copy_(input, new)`: for a delegate whose program keeps them as its states (Core AI).
+    Every reader of the old value comes before the write; the outputs that were the new value are
+    the written input. A copy: the partition's graph stays as built, for eager to run."""
+    pairs = graph.written_into
+    if not pairs:
+        return graph
+    graph = graph.copy()
+    g = graph.gm.graph
+    out, placeholders = graph.output_node(), graph.placeholders()
+    values = list(out.args[0])
+    for o, p in pairs:
+        if any(v is placeholders[p] for v in values):  # the old value is an output too: it must stay
+            continue
+        new = values[o]
+        with g.inserting_before(out):
+            write = g.call_function(WHOLE_UPDATE, (placeholders[p], new))
+        write.meta = {**new.meta, "val": placeholders[p].meta["val"]}
+        values = [write if v is new else v for v in values]
+    out.args = (values,)
+    graph.gm.recompile()
+    return graph
+
+
 def written_states(graph: CapturedGraph) -> list[str]:
-    """Names of the placeholders the graph writes in place (a KV cache), in order."""
-    return list(dict.fromkeys(n.args[0].name for n in graph.gm.graph.nodes if n.target is SLICE_UPDATE))
+    """Names of the placeholders the graph writes in place (a KV cache, a fast weight), in order."""
+    return list(dict.fromkeys(n.args[0].name for n in graph.gm.graph.nodes
+                              if n.target is SLICE_UPDATE or n.target is WHOLE_UPDATE and n.args[0].op == "placeholder"))
 
 
 def state_of(n: fx.Node) -> str | None:
     """The state a graph output is: the placeholder itself or its in-place write."""
-    while n.target is SLICE_UPDATE:
+    while n.target in (SLICE_UPDATE, WHOLE_UPDATE):
         n = n.args[0]
     return n.name if n.op == "placeholder" else None
