@@ -67,7 +67,11 @@ class CoreAI:
     toolchain = ("coreai-torch", "coreai-core")
     extension = "aimodel.zip"
     calibrates = False
-    dynamic = False  # static shapes here: the partitioner leaves nodes whose sizes vary to eager
+    # static: the partitioner leaves nodes whose sizes vary to eager (a bundle's buckets take them).
+    # With `?` dims (dynamic=True; the probe then needs its nodes at concrete sizes), Positional
+    # and BERT ran, but the reference runtime killed the process (illegal instruction, in its
+    # native code) running a Llama decode step's graph over DynamicCache: no exception to fall back on
+    dynamic = False
 
     def __init__(self):
         self._probe = Probe(self, "coreai-ops", "Core AI", lambda graph: self._convert({"main": graph}))
@@ -98,7 +102,7 @@ class CoreAI:
             converter = ct.TorchConverter()
             coreai_composites.register(converter)
             for name, graph in graphs.items():
-                states = written_states(graph)
+                states = _states(graph)
                 inputs = [n.name for n, role in zip(graph.placeholders(), graph.input_roles)
                           if not is_weight(role) and n.name not in states]
                 outputs = [f"out_{k}" for k, o in enumerate(graph.outputs()) if state_of(o) not in states]
@@ -163,12 +167,19 @@ class CoreAI:
 
 def _calling(graph: CapturedGraph) -> dict:
     """How a runner calls the graph's function: its inputs and states by name, and its outputs."""
-    states = written_states(graph)
+    states = _states(graph)
     runtime = [n.name for n, role in zip(graph.placeholders(), graph.input_roles) if not is_weight(role)]
     return {"inputs": [n for n in runtime if n not in states], "states": [[n, runtime.index(n)] for n in states],
             # per output: the state it is (its runtime input), or its dtype as the graph made it
             "outputs": [[runtime.index(state_of(o))] if state_of(o) in states else str(o.meta["val"].dtype).removeprefix("torch.")
                         for o in graph.outputs()]}
+
+
+def _states(graph: CapturedGraph) -> list[str]:
+    """The placeholders the graph writes, in the order of its placeholders: the order of the
+    exported program's mutable buffers, which the converter names positionally."""
+    written = set(written_states(graph))
+    return [n.name for n in graph.placeholders() if n.name in written]
 
 
 def _runtime_array(t: torch.Tensor) -> np.ndarray:
