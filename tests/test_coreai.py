@@ -197,3 +197,20 @@ def test_a_fast_weight_is_a_core_ai_state():
     placeholder = next(p for p in step.graph.placeholders() if p.name == state)
     assert placeholder.meta["val"].shape == (16, 16) and state not in meta["inputs"]  # W
     assert [k] in meta["outputs"]  # its new value is the state itself, not a Core AI output
+
+
+def test_a_static_cache_and_its_counters_are_states_of_one_function():
+    """GPT-2's decode over a static cache writes its KV tensors in place and its position counters
+    whole: all are states of the Core AI function, named as the converter orders them (a swap of
+    names made the runtime refuse a cache as int32), and the check finds every partition exact."""
+    model = models.build("gpt2")
+    ids = models.example_inputs("gpt2", model, seq=8)["input_ids"]
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    expected = model.generate(ids, **kwargs)
+    torchnative.accelerate(model, delegates=["coreai"])
+    torchnative.reset_stats()
+    with record(events.PartitionCompiled) as built:
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+    assert not torchnative.stats()["fallbacks"], torchnative.stats()["fallbacks"]
+    written = [e.step.graph for e in built if e.step.delegate == "coreai" and e.step.graph.written_into]
+    assert written  # counters written whole, kept as states
