@@ -27,9 +27,6 @@ class _Directory:
     def __init__(self, root: Path):
         self.root = root
 
-    def __str__(self) -> str:
-        return str(self.root)
-
     def get(self, name: str) -> bytes | None:
         try:
             return (self.root / name).read_bytes()
@@ -56,11 +53,7 @@ class _Bucket:
     """An fsspec URL's objects (remote.py)."""
 
     def __init__(self, url: str):
-        self.url = url
         self.fs, self.root = remote.filesystem(url)
-
-    def __str__(self) -> str:
-        return self.url
 
     def get(self, name: str) -> bytes | None:
         try:
