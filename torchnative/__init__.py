@@ -101,7 +101,7 @@ def _check_quantize(scheme: str | None) -> None:
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,
                replay: bool = True, compile_after: int | None = _COMPILE_AFTER, quantize: str | None = None,
-               background: bool | None = None) -> torch.nn.Module:
+               background: bool | None = None, replay_new_sizes: bool = True) -> torch.nn.Module:
     """Capture `model`'s forward (and so `generate`) on every call; returns the same module.
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
@@ -111,6 +111,13 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     call again, and a call that sets a module attribute itself is never replayed. Other Python-only
     side effects of `forward` (appending to a list) do not happen on a replayed call: pass
     `replay=False` if `forward` has them.
+
+    A call at sizes never seen (a decode step over a longer cache, a new prompt length) replays
+    the trace that calls at three or more other sizes recorded alike, when its sizes follow the
+    same rules and lie between the least and greatest of those sizes; a size beyond them is
+    recorded, so a Python branch on a size (`if kv_len > window`) is seen before it is replayed
+    across. `replay_new_sizes=False` records every size never seen, for a forward that branches
+    on sizes between ones it was called at (`if n % 64 == 0`) (replay/new_sizes.py).
 
     A parameter or buffer written between two runs of one graph (an optimizer step in a
     test-time-adaptation loop) is pinned: its program is rebuilt once with it as an input.
@@ -124,7 +131,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
     """
     _check_quantize(quantize)
     _name_tensors(model)
-    _install(model, delegates, replay, compile_after, quantize, background)
+    _install(model, delegates, replay, compile_after, quantize, background, replay_new_sizes)
     return model
 
 

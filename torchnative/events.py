@@ -102,6 +102,7 @@ class Stats:
     syncs: Counter = field(default_factory=Counter)
     fallbacks: Counter = field(default_factory=Counter)
     replays: int = 0                      # calls run from a trace, without recording
+    new_size_replays: int = 0             # of those, calls at sizes never seen (replay/new_sizes.py)
     replay_misses: int = 0                # a trace's guard failed; the call was recorded
     replay_ineligible: Counter = field(default_factory=Counter)  # why a call cannot be replayed
     pinned: dict = field(default_factory=dict)          # tensor label -> why it is pinned
@@ -119,7 +120,7 @@ class Stats:
         return {"ops_recorded": self.ops_recorded, "graphs_built": self.graphs_built,
                 "cache_hits": self.cache_hits, "cache_misses": self.cache_misses,
                 "graph_runs": self.graph_runs, "syncs": dict(self.syncs),
-                "fallbacks": dict(self.fallbacks), "replays": self.replays,
+                "fallbacks": dict(self.fallbacks), "replays": self.replays, "new_size_replays": self.new_size_replays,
                 "replay_misses": self.replay_misses, "replay_ineligible": dict(self.replay_ineligible),
                 "pinned": dict(self.pinned), "quantized": dict(self.quantized), "folded": self.folded,
                 "fused": dict(self.fused), "disk_cache": dict(self.disk_cache), "compiling_runs": self.compiling_runs,

@@ -195,11 +195,14 @@ class ProgramCache:
         # run key -> (seconds its eager runs took, seconds at which its compile repays): the cost rule
         self.eager_seconds = Lru(4 * limit, "eager seconds")
         self.seconds_per_op: dict[tuple, float] = {}  # delegates -> compile seconds per op measured here
+        # run keys (the cost rule's) whose delegates' program is built: a replay of its eager
+        # program records instead, and so takes the built one (replay/trace.py)
+        self.compiled_runs = Lru(4 * limit, "compiled runs")
         self.lock = threading.RLock()  # calls on several threads share the tables
 
     def tables(self) -> list[Lru]:
         return [self.programs, self.runs, self.first, self.sizes, self.counted, self.calibration,
-                self.eager_seconds, *self.templates.tables()]
+                self.eager_seconds, self.compiled_runs, *self.templates.tables()]
 
     def resize(self, limit: int) -> None:
         """Keep at most `limit` graphs' programs (the other tables scale with it)."""
@@ -336,6 +339,7 @@ class ProgramCache:
             job = _switch.submit(build_program, _graph(built_for, graph), delegates, list(inputs), quantize,
                                  calibration_sets=self.calibration.get(graph, []))
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
+            job.add_done_callback(lambda _, run_key=key[:3]: self._compiled_run(run_key))
 
     def _adopt(self, key: tuple, candidates: list[Program]) -> None:
         """Take the background build of `key` into the cache once it is done, unless a weight it baked
@@ -354,6 +358,14 @@ class ProgramCache:
         if not written:
             self._took(key, p)
 
+    def _compiled_run(self, run_key: tuple) -> None:
+        with self.lock:
+            self.compiled_runs[run_key] = True
+
+    def superseded(self, run_key: tuple) -> bool:
+        """Has the program its eager runs counted towards (the cost rule's `run_key`) been built?"""
+        return run_key in self.compiled_runs
+
     def _took(self, key: tuple, p: Program) -> None:
         """A built program into the cache; a template takes no size beyond the ranges its
         program's delegates took; what its compile took per op, for the next estimate."""
@@ -363,6 +375,7 @@ class ProgramCache:
         events.STATS.graphs_built += 1
         # its weights' next program (a new model of the same graphs) repays its own compile
         self.eager_seconds.pop(key[:3], None)
+        self.compiled_runs[key[:3]] = True
         ops = sum(s.n_ops() for s in p.steps)
         if ops and any(d.name != eager.name for d in key[2]):
             names = tuple(d.name for d in key[2])

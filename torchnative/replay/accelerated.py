@@ -38,6 +38,7 @@ class Settings:
     compile_after: int | None
     quantize: str | None
     background: bool | None = None  # None: program_cache.BACKGROUND
+    new_sizes: bool = True  # calls at sizes never seen replay a span's trace (replay/new_sizes.py)
 
 
 class AcceleratedForward:
@@ -78,7 +79,8 @@ class AcceleratedForward:
         started = time.perf_counter()
         # a call with no trace to replay may cost less on eager (replay/worth.py); not a quantized
         # model's: its outputs would be the float model's on some calls
-        weighed = key is not None and s.compile_after is None and s.quantize is None and not replayer.ready(key)
+        found = replayer.find(key) if key is not None else None
+        weighed = key is not None and s.compile_after is None and s.quantize is None and found is None
         if weighed:
             structure, elements = sizes_erased(key), _elements(leaves)
             if self._worth.eager_next(structure):
@@ -87,8 +89,8 @@ class AcceleratedForward:
                 return out
         named = self._submodules()
         hooked, hook_set = foreign_hook(named), hooks_of(named)
-        if hooked is None:
-            replayed, out = replayer.replay(key, leaves, hook_set)
+        if hooked is None and found is not None:
+            replayed, out = replayer.replay(key, found, leaves, hook_set)
             if replayed:
                 return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
@@ -118,7 +120,8 @@ class AcceleratedForward:
 
     def _replay_state(self) -> Replayer:
         if self._replayer is None:  # buffers are weights too, unless a graph writes them
-            self._replayer = Replayer(frozenset(id(b) for b in self.model.buffers()), background(self.settings.background))
+            self._replayer = Replayer(frozenset(id(b) for b in self.model.buffers()), background(self.settings.background),
+                                      self.settings.new_sizes)
         return self._replayer
 
     def __reduce__(self):
@@ -144,13 +147,14 @@ def _opaque_to_dynamo() -> None:
 
 
 def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: bool, compile_after: int | None,
-            quantize: str | None, background: bool | None) -> None:
+            quantize: str | None, background: bool | None, new_sizes: bool = True) -> None:
     """Make `model.forward` an AcceleratedForward (once: a second call changes nothing)."""
     _opaque_to_dynamo()
     if isinstance(model.__dict__.get("forward"), AcceleratedForward):
         return
     original = model.__dict__.get("forward")  # an instance's own forward (another wrapper), kept
-    settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize, background)
+    settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize, background,
+                        new_sizes)
     model.forward = AcceleratedForward(model, original, settings)
 
 

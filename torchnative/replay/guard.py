@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchnative.shim import LazyTensor
+from torchnative.sizes import Flat, meta_ints
 
 SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
@@ -123,10 +124,11 @@ def real(t: torch.Tensor) -> torch.Tensor:
 
 class _State:
     """A state, hashed once."""
-    __slots__ = ("state", "_hash")
+    __slots__ = ("state", "_hash", "erased")
 
     def __init__(self, state: Any):
         self.state, self._hash = state, hash(state)
+        self.erased: tuple | None = None  # (structure, metas) of the state: `erased`'s, made once
 
     def __hash__(self) -> int:
         return self._hash
@@ -188,6 +190,41 @@ def sizes_erased(key: tuple) -> tuple:
     described = tuple((len(d[0]),) + d[3:] if type(d) is tuple and len(d) == 6 and type(d[0]) is torch.Size else d
                       for d in key[1])
     return (key[0], described) + key[2:]
+
+
+def erased(key: tuple) -> Flat:
+    """A guard key as a `Flat` (torchnative.sizes): what calls at other sizes of the same
+    structure share, and the sizes of every tensor it describes — the arguments' and those their
+    objects hold (a DynamicCache's keys) — as integers, each an input's dim where it is a size."""
+    structure: list = [key[0], key[2:]]
+    ints: list[int] = []
+    where: list[tuple] = []
+    for i, d in enumerate(key[1]):
+        if type(d) is _State:
+            if d.erased is None:
+                metas: list = []
+                d.erased = (_state_structure(d.state, metas), metas)
+            shape_structure, metas = d.erased
+            structure.append(shape_structure)
+            for j, m in enumerate(metas):
+                meta_ints(m, structure, ints, where, (i, "input", j))
+        elif type(d) is tuple and len(d) == 6 and type(d[0]) is torch.Size:
+            structure.append(d[4:])
+            meta_ints(d[:4], structure, ints, where, (i, "input", 0))
+        else:
+            structure.append(d)
+    return Flat(structure, ints, where)
+
+
+def _state_structure(state: Any, metas: list) -> Any:
+    """An object's state with each tensor's metadata moved into `metas` (shape, stride, offset 0,
+    dtype)."""
+    if type(state) is tuple:
+        if len(state) == 4 and state[0] == "T" and type(state[1]) is torch.Size:
+            metas.append((tuple(state[1]), state[2], 0, state[3]))
+            return "T"
+        return tuple(_state_structure(s, metas) for s in state)
+    return state
 
 
 def same_apart_from_objects(key: tuple | None, after: tuple | None) -> bool:

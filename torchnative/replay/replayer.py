@@ -7,7 +7,8 @@ calls with those guards replay it: each program runs, each scalar read is checke
 recorded one, and a mismatch (Python would have branched differently), a changed weight, or a
 module attribute set (or a parameter re-registered) anywhere falls back to recording the call — the programs run so far wrote
 nothing, so running the call again is safe. The programs' writes are made at the end, once every guard held:
-into the tensors an argument object reaches, as the recording did.
+into the tensors an argument object reaches, as the recording did. A call at sizes never seen
+replays the trace whose span covers them (replay/new_sizes.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch
 
 from torchnative import events
 from torchnative.lru import Lru
-from torchnative.replay.guard import Snapshot
+from torchnative.replay.guard import Snapshot, erased
+from torchnative.replay.new_sizes import Span, Spans
 from torchnative.replay.trace import Ineligible, Miss, Trace, run
 from torchnative.replay.tracer import Tracer
 
@@ -40,39 +42,47 @@ _KEEP = 1024
 class Replayer:
     """Per accelerated module: guards → trace; a trace replays once seen twice in a row."""
 
-    def __init__(self, weights: frozenset[int], submit: Callable | None = None):
-        """`submit`: builds off the call (program_cache.background), for the backward of replays autograd records."""
+    def __init__(self, weights: frozenset[int], submit: Callable | None = None, new_sizes: bool = True):
+        """`submit`: builds off the call (program_cache.background), for the backward of replays
+        autograd records; `new_sizes`: calls at sizes never seen replay a span's trace."""
         self.weights, self.submit = weights, submit
         self.entries = Lru(_KEEP, "traces")  # guard key -> _Entry
+        self.spans = Spans(_KEEP) if new_sizes else None
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
         self.last: _Entry | None = None  # the entry of the last call recorded
 
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
 
-    def _ready(self, key: tuple) -> _Entry | None:
+    def find(self, key: tuple) -> tuple[Trace, Span | None] | None:
+        """The trace a call with these guards replays: its own, once seen twice in a row, or the
+        one whose span covers its sizes; None: the call is recorded."""
         entry = self.entries.get(key)
-        return entry if entry is not None and (entry.seen >= 2 or entry.run >= 2) else None
+        if entry is not None and (entry.seen >= 2 or entry.run >= 2):
+            return entry.trace, None
+        if self.spans is None:
+            return None
+        span = self.spans.find(erased(key))
+        return (span.trace, span) if span is not None else None
 
-    def ready(self, key: tuple) -> bool:
-        """Is there a trace these guards may replay?"""
-        return self._ready(key) is not None
-
-    def replay(self, key: tuple, leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
-        """`hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
-        entry = self._ready(key)
-        if entry is None:
-            return False, None
-        out = run(entry.trace, leaves, self.snapshots, self.submit, hook_set)
+    def replay(self, key: tuple, found: tuple[Trace, Span | None], leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
+        """Run `found` (`find`'s) on the call's arguments. `hook_set`: the model's forward hooks
+        now (replay/hooks.hooks_of)."""
+        trace, span = found
+        out = run(trace, leaves, self.snapshots, self.submit, hook_set)
         if type(out) is Miss:
             events.STATS.replay_misses += 1
             events.emit(events.ReplayOutcome("miss"))
             return False, None
         events.STATS.replays += 1
+        if span is not None:
+            events.STATS.new_size_replays += 1
         if events.listeners:
             events.emit(events.ReplayOutcome("replayed"))
-        if entry.trace.repaid:  # its graph's compile has repaid: the next call records, and compiles it
-            self.entries.pop(key)
+        if trace.repaid:  # its graph's compile has repaid: the next call records, and compiles it
+            self.entries.pop(key, None)
+            if span is not None:
+                self.spans.drop(erased(key), span)
         return True, out
 
     def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
@@ -94,3 +104,5 @@ class Replayer:
         else:
             entry = self.entries[key] = _Entry(trace, run=run)
         self.last = entry
+        if self.spans is not None:
+            self.spans.learn(erased(key), trace)

@@ -117,6 +117,10 @@ class Trace:
                       for s in self.calls)
         return replace(self, calls=calls, outputs=tuple(map(const, self.outputs)))
 
+    def superseded(self) -> bool:
+        """Does it run an eager program whose delegates' program has been built since?"""
+        return any(c.timed is not None and CACHE.superseded(c.timed) for c in self.calls)
+
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
             if src[0] == "lit":
@@ -153,6 +157,8 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
         return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
+        if call.timed is not None and CACHE.superseded(call.timed):
+            return Miss(k)  # its delegates' program is built: the call records, to run it
         inputs = call.inputs(leaves, produced, snapshots)
         if not call.valid_for(inputs):
             return Miss(k)

@@ -1,0 +1,118 @@
+"""Calls at sizes never seen replay (replay/new_sizes.py): a decode step over a longer cache, a
+prompt of a new length. A size between the least and greatest sizes that recorded one trace
+replays it; a size beyond them records (a branch on a size is seen before it is crossed); a
+recording inside a span that made another trace ends the span; results stay eager's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torchnative
+from torchnative import models, events
+from torchnative.cache import program_cache
+from torchnative.cache.program_cache import clear_caches
+from torchnative.replay.worth import Worth
+
+
+class Branchy(torch.nn.Module):
+    """A branch on a size: rows past `at` are doubled; with `odd`, odd sizes are shifted instead."""
+
+    def __init__(self, at: int = 10**6, odd: bool = False):
+        super().__init__()
+        self.linear, self.at, self.odd = torch.nn.Linear(8, 8), at, odd
+
+    def forward(self, x):
+        y = self.linear(x)
+        if x.shape[0] > self.at:
+            y = y * 2
+        if self.odd and x.shape[0] % 2:
+            y = y + 1
+        return torch.tanh(y)
+
+
+def _calls(model, eager, sizes):
+    """Each size's output equal to eager's; the new-size replays each call made."""
+    made = []
+    for n in sizes:
+        x = torch.randn(n, 8)
+        before = torchnative.stats()["new_size_replays"]
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+        made.append(torchnative.stats()["new_size_replays"] - before)
+    return made
+
+
+@pytest.mark.parametrize("delegates", [["eager"], ["ort"]])
+def test_a_size_between_recorded_sizes_replays_and_one_beyond_records(delegates):
+    eager = Branchy(at=60)
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=delegates)
+    clear_caches()
+    torchnative.reset_stats()
+    # 10, 20 fit the template, 30 confirms it: its program runs 30, 40, 50, whose traces make the span
+    made = _calls(model, eager, [10, 20, 30, 40, 50, 35, 45])
+    assert made == [0, 0, 0, 0, 0, 1, 1], made
+    # past the span: recorded, the branch taken as eager takes it; 55 widens the span to 30..55
+    made = _calls(model, eager, [70, 55, 53, 65, 52])
+    assert made == [0, 0, 1, 0, 1], made
+
+
+def test_a_recording_inside_a_span_that_made_another_trace_ends_it():
+    eager = Branchy(odd=True)
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"])
+    clear_caches()
+    torchnative.reset_stats()
+    # even sizes make one trace (its program the template's from 30 on); 35 (odd), inside the
+    # sizes 30..50 recorded with it, another
+    made = _calls(model, eager, [10, 20, 30, 50, 35, 40, 60, 44, 46, 52])
+    assert sum(made) == 0, made  # the span is over: every size never seen records
+
+
+def test_replay_new_sizes_off_records_every_size_never_seen():
+    eager = Branchy()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"], replay_new_sizes=False)
+    clear_caches()
+    torchnative.reset_stats()
+    assert sum(_calls(model, eager, [10, 20, 30, 40, 50, 35, 45])) == 0
+    assert torchnative.stats()["replays"] == 0
+
+
+@pytest.mark.parametrize("delegates", [["eager"], ["ort"]])
+def test_decode_steps_at_cache_lengths_never_seen_replay_with_eagers_tokens(delegates):
+    model = models.build("gpt2")
+    accel = torchnative.accelerate(copy.deepcopy(model), delegates=delegates)
+    clear_caches()
+    torchnative.reset_stats()
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    replayed = []
+    for n in [12, 40, 24, 30]:  # each a new prompt length; 24 and 30's decode lengths lie inside 13..49
+        ids = torch.randint(0, 999, (1, n), generator=torch.Generator().manual_seed(n))
+        before = torchnative.stats()["new_size_replays"]
+        with torch.no_grad():
+            assert torch.equal(accel.generate(ids, **kwargs), model.generate(ids, **kwargs))
+        replayed.append(torchnative.stats()["new_size_replays"] - before)
+    assert replayed[:2] == [0, 0] and min(replayed[2:]) >= 5, replayed
+
+
+def test_a_replay_of_an_eager_program_records_once_its_compile_is_built(monkeypatch):
+    """A trace that ran a graph's eager program while its compile had not repaid (the cost rule)
+    is let go once the delegates' program is built: the next call at its sizes records and runs
+    the built one, whichever size's replay repaid the compile."""
+    monkeypatch.setattr(program_cache, "REPAY", 2e-3)
+    monkeypatch.setattr(Worth, "eager_next", lambda self, structure: False)  # every call recorded or replayed
+    eager = Branchy()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=["ort"], compile_after=None, background=False)
+    clear_caches()
+    torchnative.reset_stats()
+    runs = []
+    events._listeners.append(runs.append)
+    try:
+        _calls(model, eager, [10, 20, 30, 40, 50] + [35, 45, 30, 40] * 10)
+        runs.clear()
+        _calls(model, eager, [37, 43, 30])
+    finally:
+        events._listeners.remove(runs.append)
+    ran = [e for e in runs if isinstance(e, events.GraphRun)]
+    assert ran and all(any(d == "ort" for d, _ in e.partitions) for e in ran), [e.partitions for e in ran]
+    assert any(e.replayed for e in ran)

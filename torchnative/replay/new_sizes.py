@@ -1,0 +1,113 @@
+"""Replay at sizes never seen: a decode step over a cache one token longer, a prompt of a new length.
+
+A trace recorded at one size names the same programs, sources and reads as the trace of the same
+call at another size once every program in it stands for every size (a template's,
+cache/templates.py) — consecutive decode steps make one trace. Each such trace is a `Span`: the
+rules that take its calls' argument sizes from one to another (torchnative.sizes, fitted on the
+guard keys as `guard.erased` flattens them: a mask one longer than the cache stays one longer),
+and the range of each size it was recorded at. A call at a new size replays it when its sizes
+follow the rules and lie within that range.
+
+Why within, and what a Python branch on a size does: a replay does not run the forward's Python,
+so it cannot see a branch. A branch that takes one side up to some size and the other beyond it
+(`if kv_len > sliding_window`) records another trace past that size; a size beyond every size
+recorded with a trace is recorded, never replayed, so the replay never crosses such a branch. A
+recording at a size inside a span that made another trace (a branch that flips and flips back,
+`if n % 64 == 0`) breaks the span for good, and the call it came from was recorded, so its result
+is eager's; a size inside a span that no call ever recorded, on the far side of such a branch,
+would replay the span's trace. `accelerate(model, replay_new_sizes=False)` records every size
+never seen (the replay then needs the same sizes twice), for code that branches on sizes so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torchnative.lru import Lru
+from torchnative.replay.trace import Trace
+from torchnative.sizes import Flat, Sizes, fit
+
+# recordings of a trace at distinct sizes before a new size replays it: two fit the rules, the
+# third confirms them (as a template is confirmed)
+CONFIRMED = 3
+_PER_STRUCTURE = 4  # spans kept per argument structure (a prefill's and a decode step's are two structures)
+
+
+@dataclass(eq=False)
+class Span:
+    trace: Trace
+    flat: Flat                        # the sizes it was last recorded at
+    sizes: Sizes | None = None        # the rules, once recorded at two sizes
+    low: list[int] = field(default_factory=list)   # per symbol: the least value recorded
+    high: list[int] = field(default_factory=list)  # and the greatest
+    recorded: int = 1                 # distinct sizes recorded, following the rules
+    broken: bool = False              # a size inside it recorded another trace
+
+    def values(self, flat: Flat) -> list[int] | None:
+        """The symbols' values at `flat`'s sizes, if they follow the rules."""
+        return self.sizes.match(flat) if self.sizes is not None else None
+
+    def covers(self, flat: Flat) -> bool:
+        values = self.values(flat)
+        return values is not None and all(lo <= v <= hi for v, lo, hi in zip(values, self.low, self.high))
+
+    def widen(self, flat: Flat) -> None:
+        """The trace recorded again at `flat`'s sizes."""
+        if flat.ints == self.flat.ints:
+            return
+        if self.sizes is None:
+            self.sizes = fit(self.flat, flat)
+            if self.sizes is not None:
+                before, after = (self.sizes.match(f) for f in (self.flat, flat))
+                if before is None or after is None:  # rules no sample follows: fitted on a coincidence
+                    self.sizes = None
+                else:
+                    self.low, self.high = list(map(min, before, after)), list(map(max, before, after))
+                    self.recorded = 2
+            self.flat = flat
+            return
+        values = self.sizes.match(flat)
+        if values is None:
+            return
+        self.low, self.high = list(map(min, self.low, values)), list(map(max, self.high, values))
+        self.recorded += 1
+        self.flat = flat
+
+
+class Spans:
+    """Per argument structure (`Flat.structure`), the spans of the traces its calls recorded."""
+
+    def __init__(self, limit: int):
+        self.spans = Lru(limit, "size spans")
+
+    def learn(self, flat: Flat, trace: Trace) -> None:
+        """A call at `flat`'s sizes recorded `trace`."""
+        spans = self.spans.setdefault(_key(flat), [])
+        # a trace whose eager program was compiled since is no longer what these sizes run
+        spans[:] = [s for s in spans if not s.trace.superseded()]
+        same = next((s for s in spans if s.trace.same_as(trace)), None)
+        for s in spans:
+            if s is not same and s.covers(flat):
+                s.broken = True  # a size inside it made another trace: a branch on a size
+        if same is None:
+            spans.append(Span(trace, flat))
+            del spans[:-_PER_STRUCTURE]
+            return
+        same.trace = trace  # the same, with the latest tensors it holds by identity
+        same.widen(flat)
+
+    def find(self, flat: Flat) -> Span | None:
+        """The span whose trace a call at `flat`'s sizes replays, if exactly one covers them."""
+        spans = self.spans.get(_key(flat))
+        if not spans:
+            return None
+        found = [s for s in spans if s.recorded >= CONFIRMED and not s.broken and s.covers(flat)]
+        return found[0] if len(found) == 1 else None
+
+    def drop(self, flat: Flat, span: Span) -> None:
+        spans = self.spans.get(_key(flat))
+        if spans is not None and span in spans:
+            spans.remove(span)
+
+
+def _key(flat: Flat) -> tuple:
+    return tuple(flat.structure)
