@@ -197,3 +197,31 @@ def test_traces_on_two_compile_threads_never_meet():
     jobs = [program_cache._background.submit(in_clean_thread, export, 6) for _ in range(6)]
     mine = [in_clean_thread(export, 6) for _ in range(6)]
     assert all(len(list(ep.graph.nodes)) > 6 for ep in [*mine, *(j.result(60) for j in jobs)])
+
+
+def test_model_code_beside_an_export_is_not_told_it_is_exporting():
+    """torch.export's `is_exporting()` flag is process-wide: transformers' mask code that ran on the
+    user's thread while a background compile exported took export's paths — graphs its calls
+    make at no other time. It is true only on the thread that exports."""
+    from torchnative.delegates.base import in_clean_thread
+
+    exporting, seen = threading.Event(), {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen["compile thread"] = torch.compiler.is_exporting()
+            exporting.set()
+            release.wait(30)
+            return x + 1
+
+    release = threading.Event()
+    job = program_cache._background.submit(
+        in_clean_thread, lambda: torch.export.export(Probe(), (torch.randn(2),), strict=False))
+    try:
+        assert exporting.wait(30)
+        assert torch.compiler._is_exporting_flag  # what torch set, for the whole process
+        seen["user thread"] = torch.compiler.is_exporting()
+    finally:
+        release.set()
+    job.result(60)
+    assert seen == {"compile thread": True, "user thread": False}, seen

@@ -50,11 +50,28 @@ _compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-co
 # threads tracing at once (an in-call compile beside a background one) fail each other with errors
 # like "Trying to pop empty mode stack", which a probe would then keep as a verdict on the op
 _tracing = threading.RLock()
+_tracer: int | None = None  # the thread that holds _tracing
 
 
 def _traced(fn: Callable[..., Any], *args: Any) -> Any:
+    global _tracer
     with _tracing:
-        return fn(*args)
+        outer, _tracer = _tracer, threading.get_ident()
+        try:
+            return fn(*args)
+        finally:
+            _tracer = outer
+
+
+def _is_exporting() -> bool:
+    """`torch.compiler.is_exporting()` for the thread that asks. torch.export sets a process-wide
+    flag: a user's forward that ran while a compile thread exported took export's paths
+    (transformers' masks skip nothing when `is_exporting()`), so a decode step recorded other
+    graphs — others to compile, none to replay — whenever a compile ran beside it."""
+    return torch.compiler._is_exporting_flag and (_tracer is None or _tracer == threading.get_ident())
+
+
+torch.compiler.is_exporting = _is_exporting
 
 
 def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
