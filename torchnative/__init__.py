@@ -211,7 +211,7 @@ def availability() -> dict[str, Availability]:
 
 def stats() -> dict:
     """Counters since the last reset: ops recorded, graphs built, program cache hits and misses,
-    graph runs, sync points by reason, fallbacks, replays, tensors pinned (label → why),
+    graph runs, sync points by reason, fallbacks, replays (`new_size_replays`: of them, at sizes never seen), tensors pinned (label → why),
     weights quantized (or why not), values folded (computed from weights once, at build) and
     composites fused (by name) into the partitions compiled in this process, and graph runs on
     eager while their program compiled in the background (`compiling_runs`), and entries each
