@@ -108,7 +108,9 @@ def chat(name: str, calls: int, new: int, compile_: bool) -> dict:
     engines = _engines(model, compile_)
     rng = random.Random(0)
     lengths = rng.sample(range(8, 201), calls)
-    prompts = [torch.randint(0, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    # token 0 is the pad token: a prompt holding it gets an attention mask with holes (generate()
+    # masks pad tokens), another workload (a padded batch's) than a chat prompt
+    prompts = [torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     print(f"  chat-{name}: prompt lengths {lengths}", flush=True)
     seconds, same = _interleaved(engines, [lambda m, p=p: m.generate(p, **kwargs) for p in prompts])
