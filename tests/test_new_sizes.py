@@ -116,3 +116,22 @@ def test_a_replay_of_an_eager_program_records_once_its_compile_is_built(monkeypa
     ran = [e for e in runs if isinstance(e, events.GraphRun)]
     assert ran and all(any(d == "ort" for d, _ in e.partitions) for e in ran), [e.partitions for e in ran]
     assert any(e.replayed for e in ran)
+
+
+def test_a_call_autograd_records_is_not_replayed_at_sizes_never_seen():
+    """Its programs' backward is traced at the sizes it was recorded at: every size never seen
+    records, and the gradients are eager's. (Today each size's graph under autograd has a program
+    of its own, so no two sizes make one trace; the rule in new_sizes.Spans.learn keeps it so if a
+    template's program ran under autograd.)"""
+    eager = Branchy()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"])
+    clear_caches()
+    torchnative.reset_stats()
+    for n in [10, 20, 30, 40, 50, 35, 45, 35]:
+        x = torch.randn(n, 8)
+        for m in (model, eager):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        for a, b in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    assert torchnative.stats()["new_size_replays"] == 0

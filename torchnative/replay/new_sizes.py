@@ -80,7 +80,10 @@ class Spans:
         self.spans = Lru(limit, "size spans")
 
     def learn(self, flat: Flat, trace: Trace) -> None:
-        """A call at `flat`'s sizes recorded `trace`."""
+        """A call at `flat`'s sizes recorded `trace`. One autograd records has no span: the
+        backward of its programs is traced at the sizes it was recorded at (build/differentiable.py)."""
+        if any(c.differentiable for c in trace.calls):
+            return
         spans = self.spans.setdefault(_key(flat), [])
         # a trace whose eager program was compiled since is no longer what these sizes run
         spans[:] = [s for s in spans if not s.trace.superseded()]
