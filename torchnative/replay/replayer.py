@@ -22,6 +22,7 @@ from torchnative.lru import Lru
 from torchnative.replay.guard import Snapshot, erased
 from torchnative.replay.new_sizes import Span, Spans
 from torchnative.replay.trace import Ineligible, Miss, Trace, run
+from torchnative.sizes import Flat
 from torchnative.replay.tracer import Tracer
 
 
@@ -48,6 +49,8 @@ class Replayer:
         self.weights, self.submit = weights, submit
         self.entries = Lru(_KEEP, "traces")  # guard key -> _Entry
         self.spans = Spans(_KEEP) if new_sizes else None
+        self._flat: tuple[tuple, Flat] | None = None  # the last key erased, and its Flat: a call that
+        # finds no trace is learnt from once recorded, with the same key
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
         self.last: _Entry | None = None  # the entry of the last call recorded
 
@@ -62,8 +65,13 @@ class Replayer:
             return entry.trace, None
         if self.spans is None:
             return None
-        span = self.spans.find(erased(key))
+        span = self.spans.find(self._erased(key))
         return (span.trace, span) if span is not None else None
+
+    def _erased(self, key: tuple) -> Flat:
+        if self._flat is None or self._flat[0] is not key:
+            self._flat = (key, erased(key))
+        return self._flat[1]
 
     def replay(self, key: tuple, found: tuple[Trace, Span | None], leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
         """Run `found` (`find`'s) on the call's arguments. `hook_set`: the model's forward hooks
@@ -82,7 +90,7 @@ class Replayer:
         if trace.repaid:  # its graph's compile has repaid: the next call records, and compiles it
             self.entries.pop(key, None)
             if span is not None:
-                self.spans.drop(erased(key), span)
+                self.spans.drop(self._erased(key), span)
         return True, out
 
     def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
@@ -105,4 +113,4 @@ class Replayer:
             entry = self.entries[key] = _Entry(trace, run=run)
         self.last = entry
         if self.spans is not None:
-            self.spans.learn(erased(key), trace)
+            self.spans.learn(self._erased(key), trace)
