@@ -14,13 +14,14 @@ import torch.fx as fx
 
 import torchnative
 from tests.conftest import record
-from tests.test_bundle_generate import LONG, SLIDING_CACHE, WINDOW, _sliding
+from tests.test_bundle_generate import LONG, SLIDING_CACHE, WINDOW, _bundle, _eager, _fresh_generate, _sliding
 from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save
 from torchnative.delegates import REGISTRY
 from torchnative import events, models
 from torchnative.delegates.coreml import unpack
 from torchnative.passes.fuse import fuse
+from torchnative.passes.quantize import dequantized
 
 pytest.importorskip("coreai_torch")
 
@@ -141,6 +142,32 @@ def test_quantized_weights_are_core_ai_compressed_weights(scheme):
     assert step.artifact_bytes < float_step.artifact_bytes * (0.6 if scheme == "int8" else 0.5)
 
 
+def test_palettized_weights_are_core_ai_lookups():
+    """quantize=palettize4: every linear layer's weight Core AI's lut_to_dense of 4-bit indices and a
+    table per output channel (the float weight not in the asset); logits eager's with the
+    palettized values, which are each channel's 16 values."""
+    step, program = _llama_on_coreai("palettize4")
+    assert program.count("coreai.lut_to_dense") == 15  # 2 layers × 7 linears + the LM head
+    assert "xui4>" in program
+    float_step, _ = _llama_on_coreai(None)
+    # rows of 64 values: a 16-entry float table per row weighs twice its indices; the float embedding stays
+    assert step.artifact_bytes < float_step.artifact_bytes * 0.65
+    w = models.build("llama").lm_head.weight
+    assert all(len(row.unique()) <= 16 for row in dequantized(w, "palettize4"))
+    assert (dequantized(w, "palettize4") - w).norm() < 0.15 * w.norm()
+
+
+def test_a_palettized_generating_bundle_generates_the_palettized_models_tokens(tmp_path):
+    """capture-and-compile --targets coreai --quantize palettize4: one asset whose linear weights are
+    lookups; a fresh process generates the tokens of the model with the palettized values."""
+    bundle, config = _bundle("GPT2LMHeadModel", tmp_path, "--targets", "coreai", "--quantize", "palettize4")
+    manifest = torchnative.load(bundle).manifest
+    assert {p["delegate"] for m in manifest["methods"].values() for g in m["programs"] for p in g["partitions"]} == {"coreai"}
+    expected = _eager("GPT2LMHeadModel", config, "palettize4")
+    assert not torch.equal(expected, _eager("GPT2LMHeadModel", config))  # the palettized values change the tokens
+    assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
+
+
 class _FastWeights(torch.nn.Module):
     """A TTT-style layer: each call takes one gradient step of its fast weight W on a
     reconstruction loss over the call's tokens, in place, then reads through the new W."""
@@ -155,7 +182,7 @@ class _FastWeights(torch.nn.Module):
         k = self.proj(x)
         error = k @ self.W - x
         self.W.sub_(self.lr * k.transpose(-1, -2) @ error / x.shape[0])
-        return torch.nn.functional.rms_norm(k @ self.W, (16,))
+        return torch.nn.functional.rms_norm(k @ self.W, self.W.shape[:1])
 
 
 def test_a_fast_weight_layer_streams_on_core_ai_as_eager_does():
@@ -197,6 +224,27 @@ def test_a_fast_weight_is_a_core_ai_state():
     placeholder = next(p for p in step.graph.placeholders() if p.name == state)
     assert placeholder.meta["val"].shape == (16, 16) and state not in meta["inputs"]  # W
     assert [k] in meta["outputs"]  # its new value is the state itself, not a Core AI output
+
+
+def test_a_fast_weight_stays_float_beside_palettized_weights():
+    """quantize=palettize4 on a fast-weight layer: its projection palettized (a Core AI lookup), its
+    fast weight W a float state, never palettized: calls equal eager with the projection's
+    palettized values, W included."""
+    torch.manual_seed(0)
+    model = _FastWeights(64).eval()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.proj.weight.copy_(dequantized(model.proj.weight, "palettize4"))
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=1, background=False, quantize="palettize4")
+    with torch.no_grad(), record(events.PartitionCompiled) as built:
+        for _ in range(4):
+            x = torch.randn(8, 64)
+            torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(model.W, reference.W, rtol=1e-5, atol=1e-6)
+    (step,) = [e.step for e in built if e.step.delegate == "coreai"]
+    program = str(REGISTRY["coreai"]._convert({"main": step.graph}))
+    assert program.count("coreai.lut_to_dense") == 1 and "64x64xf32" in program  # proj's lookup; W float
+    assert not torch.equal(reference.proj.weight, model.proj.weight)
 
 
 def test_a_static_cache_and_its_counters_are_states_of_one_function():

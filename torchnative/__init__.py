@@ -30,8 +30,7 @@ from torchnative.interface import Availability
 from torchnative.passes.pin import name_tensors as _name_tensors
 from torchnative.passes.pin import pin as _pin
 from torchnative.passes.pin import pinned as _pinned
-from torchnative.passes.quantize import KQUANTS as _KQUANTS
-from torchnative.passes.quantize import SCHEMES as _SCHEMES
+from torchnative.passes.quantize import ALL_SCHEMES as _ALL_SCHEMES
 from torchnative.cache import calibration as _calibration
 from torchnative.replay.accelerated import install as _install
 from torchnative.replay.accelerated import uninstall as _uninstall
@@ -72,6 +71,8 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int | None
             (parameters and buffers that are not pinned) that feed matmuls and convolutions;
             `"q8_0"` or `"q4k"` (GGUF k-quants, made by candle; needs candle-nn) for those that are
             a matmul's 2-D weight: the `candle` delegate runs them with its k-quant kernels;
+            `"palettize4"` (16 values per output channel, found by k-means), which `coreai` keeps
+            as Core AI's lookup table and 4-bit indices;
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses
             where a matmul reads it. On `ort`, matmuls of such weights run ONNX Runtime's
             low-bit kernels: int8 as MatMulInteger, which quantizes the activations too (per
@@ -94,9 +95,8 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int | None
 
 
 def _check_quantize(scheme: str | None) -> None:
-    if scheme is not None and scheme not in _SCHEMES and scheme not in _KQUANTS:
-        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of "
-                         f"{sorted(_SCHEMES | _KQUANTS)} or None")
+    if scheme is not None and scheme not in _ALL_SCHEMES:
+        raise ValueError(f"quantize={scheme!r} is not a weight quantization scheme; choose one of {_ALL_SCHEMES} or None")
 
 
 def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None,

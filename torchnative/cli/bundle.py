@@ -133,7 +133,7 @@ def _summary(built: Built):
 @click.option("--example-input", "example_inputs", multiple=True, metavar="NAME=DTYPE[SHAPE]",
               help="an input and its shape, e.g. input_ids=int64[1,128] (repeatable; default: the model's usual inputs)")
 @click.option("--targets", default=None, help="delegates in preference order, e.g. ort,xnnpack (default: the fastest measured here)")
-@click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None, help="weight quantization (pinned weights stay float)")
+@click.option("--quantize", type=click.Choice(["int8", "int4", "palettize4"]), default=None, help="weight quantization (pinned weights stay float)")
 @click.option("--pin", "pins", multiple=True, metavar="GLOB", help="keep matching parameters updatable: inputs, never compiled in")
 @click.option("--out", default=None, help="bundle path: a directory, or a file ending in .zip (default: <model>.bundle)")
 @click.option("--generate/--no-generate", "generate", default=None,
@@ -260,7 +260,8 @@ def build_bundle(model: str, config: str = "tiny", targets: str | None = None, q
 # how far a whole bundle's outputs may be from eager's and match: float32 kernels' rounding over
 # a model's partitions, or the error of weights quantized to 8 and 4 bits
 _WHOLE = {None: Tolerance("scale", 1e-3, "float32 kernels' rounding over the model's partitions"),
-          "int8": Tolerance("scale", 0.05, "int8 weights"), "int4": Tolerance("scale", 0.2, "int4 weights")}
+          "int8": Tolerance("scale", 0.05, "int8 weights"), "int4": Tolerance("scale", 0.2, "int4 weights"),
+          "palettize4": Tolerance("scale", 0.2, "4-bit palettized weights")}
 
 
 def _tolerance(compiled, quantize: str | None) -> Tolerance:

@@ -102,6 +102,7 @@ class CoreAI:
             converter = ct.TorchConverter()
             coreai_composites.register(converter)
             for name, graph in graphs.items():
+                graph = coreai_composites.palettized(graph)  # palettized weights as lookups
                 states = _states(graph)
                 inputs = [n.name for n, role in zip(graph.placeholders(), graph.input_roles)
                           if not is_weight(role) and n.name not in states]

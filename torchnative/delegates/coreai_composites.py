@@ -10,7 +10,8 @@ RoPE's (input, cos, sin) with cos and sin over half the rotated dims, rotate-hal
 A weight passes.quantize made low-bit (fused as `quantized_mm`) becomes Core AI's compressed
 weight: its integers a constant of their width (int8, or int4 packed two to a byte), dequantized by
 `blockwise_shift_scale` with the scales per output channel or group: what a device keeps
-compressed and expands in its kernel. The float weight is never in the asset."""
+compressed and expands in its kernel. A palettized weight (quantize="palettize4") becomes Core AI's
+`lut_to_dense` of its 4-bit indices and per-channel table. The float weight is never in the asset."""
 # no `from __future__ import annotations`: Core AI's graph builder reads the bodies' hints as types
 import functools
 from typing import Any
@@ -19,6 +20,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from torchnative.ir import CapturedGraph
+from torchnative.passes.derived import add_constant
+
 
 def register(converter: Any) -> None:
     """Teach a coreai_torch.TorchConverter our composites."""
@@ -26,6 +30,38 @@ def register(converter: Any) -> None:
     converter.register_torch_lowering("torchnative::rope.default")(_rope)
     converter.register_torch_lowering("torchnative::quantized_mm.default")(
         functools.partial(_quantized_mm, converter))
+
+
+def palettized(graph: CapturedGraph) -> CapturedGraph:
+    """A copy whose palettized weights (passes.quantize: a constant whose meta holds its indices and
+    table) are `coreai::lut_to_dense` of two constants, the indices uint8 (the converter narrows them
+    to the table's 4 bits) and the table [out, 1, 2**bits, 1]: one table per output channel."""
+    found = [p for p in graph.placeholders() if "palette" in p.meta]
+    if not found:
+        return graph
+    from coreai_torch._compression.custom_layers import lut_to_dense  # noqa: F401 -- registers coreai::lut_to_dense
+
+    graph = graph.copy()
+    g, constants = graph.gm.graph, dict(graph.constants)
+    for p in (p for p in graph.placeholders() if "palette" in p.meta):
+        indices, table = p.meta["palette"]
+        table = table.reshape(table.shape[0], 1, table.shape[1], 1)
+        made = []
+        for suffix, value in (("indices", indices), ("lut", table)):  # the converter finds them by these names
+            c = add_constant(graph, p, f"{p.name}_{suffix}")
+            c.meta = {"val": value.to("meta"), "role": "constant"}
+            constants[c.name] = value
+            made.append(c)
+        with g.inserting_after(made[-1]):
+            dense = g.call_function(torch.ops.coreai.lut_to_dense.default, (*made, 0))
+        dense.meta = {k: v for k, v in p.meta.items() if k != "palette"}
+        p.replace_all_uses_with(dense)
+        graph.input_roles.pop(graph.placeholders().index(p))
+        constants.pop(p.name, None)
+        g.erase_node(p)
+    graph.constants = constants
+    graph.gm.recompile()
+    return graph
 
 
 def _constants(exported: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
