@@ -14,6 +14,7 @@ import torch.fx as fx
 
 import torchnative
 from tests.conftest import record
+from tests.test_fuse import _delta_inputs, _GatedDeltaNet
 from tests.test_bundle_generate import LONG, SLIDING_CACHE, WINDOW, _bundle, _eager, _fresh_generate, _sliding
 from torchnative.bundle.build import compile_generation
 from torchnative.bundle.save import save
@@ -166,6 +167,47 @@ def test_a_palettized_generating_bundle_generates_the_palettized_models_tokens(t
     expected = _eager("GPT2LMHeadModel", config, "palettize4")
     assert not torch.equal(expected, _eager("GPT2LMHeadModel", config))  # the palettized values change the tokens
     assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_gated_delta_rule_is_core_ai_s_composite(tokens):
+    """transformers' recurrent gated delta rule (Qwen3-Next's decode) on coreai: each token's step
+    Core AI's gated_delta_update composite (query before its 1/√dk scaling, as the composite
+    declares), the whole rule one partition, output and state eager's."""
+    model, inputs = _GatedDeltaNet(), _delta_inputs(tokens)
+    torchnative.reset_stats()
+    with torch.no_grad(), torchnative.capture(["coreai"], compile_after=1, background=False):
+        e = torchnative.explain(lambda: model(*inputs))
+    assert not e.fallbacks and [d for parts in e.partitions for d, _ in parts] == ["coreai"], e.partitions
+    assert torchnative.stats()["fused"]["delta_rule"] == tokens
+    for got, expected in zip(e.output, model(*inputs)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    (step,) = e.programs[0].steps
+    program = str(REGISTRY["coreai"]._convert({"main": fuse(step.graph, REGISTRY["coreai"].composites)}))
+    assert 'composite_declaration<"gated_delta_update"' in program
+    assert len(re.findall(r"coreai.invoke @gated_delta_update_\w+\(", program)) == tokens  # the state chained token to token
+
+
+@pytest.mark.slow
+def test_qwen3_next_generates_eager_s_tokens_with_its_delta_rule_on_core_ai():
+    """A Qwen3-Next tiny config (gated DeltaNet layers beside attention) under accelerate on coreai:
+    greedy tokens eager's, the decode step's delta rule fused."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             layer_types=["linear_attention", "full_attention"], max_position_embeddings=256)
+    torch.manual_seed(0)
+    model, ids = Qwen3NextForCausalLM(config).eval(), torch.randint(0, 1000, (1, 8))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=1, background=False)
+    torchnative.reset_stats()
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    assert torchnative.stats()["fused"]["delta_rule"] >= 1 and not torchnative.stats()["fallbacks"]
 
 
 class _FastWeights(torch.nn.Module):

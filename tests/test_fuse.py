@@ -279,3 +279,55 @@ def test_generate_with_int4_weights_on_onnx_runtime_gives_the_dequantized_models
         for _ in range(3):
             assert torch.equal(accelerated.generate(ids, **kwargs), want)
     assert torchnative.stats()["fused"].get("quantized_mm", 0) > 0 and not torchnative.stats()["fallbacks"]
+
+
+class _GatedDeltaNet(torch.nn.Module):
+    """transformers' recurrent gated delta rule (Qwen3-Next's decode path) over `s` tokens, from a
+    state carried in: each token's step is one delta_rule."""
+
+    def forward(self, q, k, v, g, beta, state):
+        from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+        return torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+
+
+def _delta_inputs(s: int, b: int = 2, heads: int = 2, v_heads: int = 4, dk: int = 16, dv: int = 8):
+    torch.manual_seed(s)
+    return (torch.randn(b, s, heads, dk), torch.randn(b, s, heads, dk), torch.randn(b, s, v_heads, dv),
+            -torch.rand(b, s, v_heads), torch.rand(b, s, v_heads), torch.randn(b, v_heads, dk, dv))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gated_delta_rule_steps_compute_exactly_what_their_patterns_did(fusing, tokens):
+    """Each token's step (decay, delta correction, readout) becomes one delta_rule with two
+    results, the output and the new state, bit for bit eager's."""
+    model, inputs = _GatedDeltaNet(), _delta_inputs(tokens)
+    torchnative.reset_stats()
+    with torch.no_grad(), torchnative.capture(fusing, compile_after=1):
+        got = [t + 0 for t in model(*inputs)]
+    assert torchnative.stats()["fused"] == {"delta_rule": tokens} and not torchnative.stats()["fallbacks"]
+    with torch.no_grad():
+        for a, b in zip(got, model(*inputs)):
+            assert torch.equal(a, b)
+
+
+def test_a_delta_rule_whose_query_is_not_scaled_by_its_root_dim_stays(fusing):
+    """Core AI's composite scales the query by 1/√dk itself: a step whose query was divided by
+    something else is another function, left as its ops."""
+    def step(q, k, v, g, beta, state):
+        q = (q / 3.0).select(2, 0)
+        s = state * g.select(2, 0).exp().unsqueeze(-1).unsqueeze(-1)
+        ku = k.select(2, 0).unsqueeze(-1)
+        s = s + ku * ((v.select(2, 0) - (s * ku).sum(-2)) * beta.select(2, 0).unsqueeze(-1)).unsqueeze(-2)
+        return (s * q.unsqueeze(-1)).sum(-2), s
+
+    q, k, v, g, beta, state = _delta_inputs(1, heads=4)
+    args = [t.transpose(1, 2).contiguous() for t in (q, k, v, g, beta)] + [state]
+    torchnative.reset_stats()
+    with torch.no_grad(), torchnative.capture(fusing, compile_after=1):
+        got = [t + 0 for t in step(*args)]
+    assert "delta_rule" not in torchnative.stats()["fused"]
+    with torch.no_grad():
+        for a, b in zip(got, step(*args)):
+            assert torch.equal(a, b)

@@ -63,7 +63,7 @@ class CoreAI:
     external_weights = False
     writes_in_place = True  # a state update writes a Core AI state, in place on device
     # as Core AI's composite ops and compressed weights (delegates/coreai_composites.py)
-    composites = frozenset({"rms_norm", "rope", "quantized_mm", "quantized_addmm"})
+    composites = frozenset({"rms_norm", "rope", "quantized_mm", "quantized_addmm", "delta_rule"})
     toolchain = ("coreai-torch", "coreai-core")
     extension = "aimodel.zip"
     calibrates = False

@@ -1,11 +1,13 @@
 """Our composites (passes.fuse) as Core AI composite ops: a private graph carrying Core AI's
-composite declaration (`rms_norm`, `rope`), which a device's runtime replaces by its fused kernel
+composite declaration (`rms_norm`, `rope`, `gated_delta_update`), which a device's runtime replaces by its fused kernel
 and the reference runtime here runs as written. Each body is the composite's arithmetic in its
 eager op order (passes.fuse), so what runs here is what eager computes. Attention needs no
 lowering of ours: coreai-torch makes `scaled_dot_product_attention` its composite itself.
 
 Declarations follow coreai_torch.composite_ops: RMSNorm's inputs (input, scale) and `eps`;
-RoPE's (input, cos, sin) with cos and sin over half the rotated dims, rotate-half layout.
+RoPE's (input, cos, sin) with cos and sin over half the rotated dims, rotate-half layout;
+GatedDeltaUpdate's (query, key, value, g, beta, initial_state) → (output, state) over one token,
+the query before its 1/√dk scaling (which the composite does), output [b, s, h, dv].
 
 A weight passes.quantize made low-bit (fused as `quantized_mm`) becomes Core AI's compressed
 weight: its integers a constant of their width (int8, or int4 packed two to a byte), dequantized by
@@ -28,6 +30,7 @@ def register(converter: Any) -> None:
     """Teach a coreai_torch.TorchConverter our composites."""
     converter.register_torch_lowering("torchnative::rms_norm.default")(_rms_norm)
     converter.register_torch_lowering("torchnative::rope.default")(_rope)
+    converter.register_torch_lowering("torchnative::delta_rule.default")(_delta_rule)
     converter.register_torch_lowering("torchnative::quantized_mm.default")(
         functools.partial(_quantized_mm, converter))
 
@@ -139,3 +142,40 @@ def _rope(values: dict, node: fx.Node, loc: Any):
         return coreai.concat(len(shape) - 1, [first, second])
 
     return rope(x, cos, sin)[0]
+
+
+def _delta_rule(values: dict, node: fx.Node, loc: Any):
+    from coreai._compiler.dialects import coreai
+    from coreai._compiler.ir import Value
+    from coreai_torch import generate_composite_decl
+
+    state, q, k, v, g, beta = (values[a.name] for a in node.args[:6])
+    index, scale = node.args[6:]
+    b, h, dk, dv = state.type.shape
+
+    def token(x):  # token `index` of a sequence [b, h, s, ...], the sequence dim kept
+        shape = list(x.type.shape)
+        return coreai.slice_(x, [0, 0, index] + [0] * (len(shape) - 3), [b, h, index + 1, *shape[3:]], [1] * len(shape))
+
+    def perm(*axes):
+        return coreai.constant(np.array(axes, dtype=np.uint32))
+
+    decl = generate_composite_decl(state.context, "gated_delta_update", ["query", "key", "value", "g", "beta", "initial_state"],
+                                   ["output", "state"], {"use_qk_l2_norm": False})
+
+    @coreai.graph(private=True, no_inline=True, composite_decl=decl)
+    def gated_delta_update(query: Value, key: Value, value: Value, g: Value, beta: Value, state: Value) -> tuple[Value, Value]:
+        # fuse's delta_rule op for op: S·exp(g); S + k ⊗ β(v − Sᵀk); Sᵀ(q / scale)
+        s = coreai.broadcasting_mul(state, coreai.reshape(coreai.exp(g), [b, h, 1, 1]))
+        ku = coreai.reshape(key, [b, h, dk, 1])
+        remembered = coreai.reshape(coreai.reduce_sum(coreai.broadcasting_mul(s, ku), [2]), [b, h, 1, dv])
+        delta = coreai.broadcasting_mul(coreai.broadcasting_sub(coreai.reshape(value, [b, h, 1, dv]), remembered),
+                                        coreai.reshape(beta, [b, h, 1, 1]))
+        s = coreai.broadcasting_add(s, coreai.broadcasting_mul(ku, delta))
+        qu = coreai.broadcasting_divide(coreai.reshape(query, [b, h, dk, 1]),
+                                        coreai.constant(scale, dtype=query.type.element_type))
+        out = coreai.reshape(coreai.reduce_sum(coreai.broadcasting_mul(s, qu), [2]), [b, h, 1, dv])
+        return coreai.transpose(out, perm(0, 2, 1, 3)), s
+
+    output, new_state = gated_delta_update(token(q), token(k), token(v), token(g), token(beta), state)
+    return [coreai.reshape(coreai.transpose(output, perm(0, 2, 1, 3)), [b, h, dv]), new_state]

@@ -1,6 +1,6 @@
 """Fusion into named composites: a pattern of Core ATen ops that a delegate maps to one fused
 kernel (ONNX Runtime's RMSNormalization and RotaryEmbedding; a tanh GELU for a delegate that has
-one) becomes one node.
+one; Core AI's gated delta update, a fast-weight recurrence with two results) becomes one node.
 
 Fusion runs on a delegate's partition just before it is lowered, with the composites that delegate
 names (`Delegate.composites`): a partition that eager runs keeps the ops as recorded, so its
@@ -11,6 +11,7 @@ Scaled-dot-product attention needs no fusion here: the door records it as one no
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -76,6 +77,27 @@ def _(x, q, scale, bias, bits):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
+@torch.library.custom_op("torchnative::delta_rule", mutates_args=())
+def delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, index: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token `index` of the gated delta rule (Gated DeltaNet's fast-weight recurrence, as
+    transformers' torch_recurrent_gated_delta_rule writes it) over a state S [b, h, dk, dv]:
+    S ← S·exp(g); S ← S + k ⊗ β(v − Sᵀk); the token's output Sᵀ(q / scale). q, k [b, h, s, dk],
+    v [b, h, s, dv], g and β [b, h, s]: the sequences the step selects its token from. Returns
+    (output [b, h, dv], new S), in eager's op order."""
+    q_t, k_t, v_t = q.select(2, index) / scale, k.select(2, index), v.select(2, index)
+    s = state * g.select(2, index).exp().unsqueeze(-1).unsqueeze(-1)
+    ku = k_t.unsqueeze(-1)
+    delta = (v_t - (s * ku).sum(-2)) * beta.select(2, index).unsqueeze(-1)
+    s = s + ku * delta.unsqueeze(-2)
+    return (s * q_t.unsqueeze(-1)).sum(-2), s
+
+
+@delta_rule.register_fake
+def _(state, q, k, v, g, beta, index, scale):
+    return v.new_empty(v.shape[0], v.shape[1], v.shape[3]), torch.empty_like(state)
+
+
 # ---- patterns: (op, *args[, {kwargs}]) tuples; "$name" binds a node or a value, a repeated name must agree
 
 _COMMUTATIVE = {aten.add.Tensor, aten.mul.Tensor}
@@ -108,16 +130,21 @@ def _match(pattern, arg, env: dict) -> bool:
     return pattern == arg and not isinstance(arg, fx.Node)  # constants exactly: the composite computes with its own
 
 
-def _self_contained(root: fx.Node, leaves: set) -> bool:
-    """Is every node of the match below its root (down to its bound inputs) used inside it alone?
-    Else fusing would compute that value twice."""
+def _inside(root: fx.Node, leaves: set) -> set:
+    """The nodes of a match: its root and what is below it down to its bound inputs."""
     inside, stack = {root}, list(root.all_input_nodes)
     while stack:
         n = stack.pop()
         if n not in inside and n not in leaves:
             inside.add(n)
             stack.extend(n.all_input_nodes)
-    return all(u in inside for n in inside - {root} for u in n.users)
+    return inside
+
+
+def _self_contained(inside: set, results: tuple) -> bool:
+    """Is every node of the match used inside it alone, but the composite's results? Else fusing
+    would compute that value twice."""
+    return all(u in inside for n in inside - set(results) for u in n.users)
 
 
 def _last(dim: int, rank: int) -> bool:
@@ -217,16 +244,61 @@ def _quantized_mm(env: dict):
     return quantized_mm_op, (x, q, scale, bias, BITS[scheme])
 
 
+# one token of a gated delta rule: its output (the root) read from the new state, which is the
+# composite's second result; each value of the token picked by one select of its sequence
+_READOUT = (aten.sum.dim_IntList, (aten.mul.Tensor, "$s2", (aten.unsqueeze.default, (
+    aten.select.int, "$qs", "$sd", "$i"), "$u1")), "$r1")
+_UPDATED = (aten.add.Tensor, "$s1", (aten.mul.Tensor, "$ku", (aten.unsqueeze.default, (aten.mul.Tensor, (
+    aten.sub.Tensor, (aten.select.int, "$v", "$sd", "$i"), (aten.sum.dim_IntList, (aten.mul.Tensor, "$s1", "$ku"), "$r2")),
+    (aten.unsqueeze.default, (aten.select.int, "$beta", "$sd", "$i"), "$u2")), "$u3")))
+_DECAYED = (aten.mul.Tensor, "$state", (aten.unsqueeze.default, (aten.unsqueeze.default, (
+    aten.exp.default, (aten.select.int, "$g", "$sd", "$i")), "$u4"), "$u5"))
+_KEY = (aten.unsqueeze.default, (aten.select.int, "$k", "$sd", "$i"), "$u6")
+
+
+def _delta_rule(env: dict):
+    s2 = env["$s2"]
+    if not (_match(_UPDATED, s2, env) and _match(_DECAYED, env["$s1"], env) and _match(_KEY, env["$ku"], env)):
+        return None
+    qs, state, k, v, g, beta = (env[n] for n in ("$qs", "$state", "$k", "$v", "$g", "$beta"))
+    # the query divided by √dk before its token is picked (Core AI's composite scales it so itself)
+    if not (isinstance(qs, fx.Node) and qs.target is aten.div.Tensor and isinstance(qs.args[1], float)):
+        return None
+    q, scale = qs.args
+    vals = [_val(x) for x in (state, q, k, v, g, beta)]
+    if any(x is None or x.dtype != torch.float32 for x in vals) or env["$sd"] != 2:
+        return None
+    sv, qv, kv, vv, gv, bv = vals
+    if sv.dim() != 4 or qv.dim() != 4:
+        return None
+    b, h, dk, dv = sv.shape
+    n = qv.shape[2]
+    if not (qv.shape == kv.shape == (b, h, n, dk) and vv.shape == (b, h, n, dv) and gv.shape == bv.shape == (b, h, n)
+            and scale == dk ** 0.5 and env["$r1"] in ([-2], [2]) and env["$r2"] in ([-2], [2])):
+        return None
+    # each unsqueeze where eager's broadcasting needs it: g and β by two and one trailing dims, k and q
+    # as columns, the token's correction as a row
+    dims = {"$u1": (3, -1), "$u2": (2, -1), "$u3": (2, -2), "$u4": (2, -1), "$u5": (3, -1), "$u6": (3, -1)}
+    if any(env[u] not in allowed for u, allowed in dims.items()):
+        return None
+    for inner in ("$s1", "$ku", "$s2"):  # what is left bound are the leaves
+        env.pop(inner)
+    return delta_rule_op, (state, q, k, v, g, beta, env["$i"], scale), (s2,)
+
+
 rms_norm_op = torch.ops.torchnative.rms_norm.default
 quantized_mm_op = torch.ops.torchnative.quantized_mm.default
 rope_op = torch.ops.torchnative.rope.default
 gelu_tanh_op = torch.ops.torchnative.gelu_tanh.default
+delta_rule_op = torch.ops.torchnative.delta_rule.default
 
 
 @dataclass(frozen=True)
 class Composite:
     pattern: tuple
-    build: Callable[[dict], tuple | None]  # bound pattern → (op, args), or None when the match does not qualify
+    # bound pattern → (op, args[, other results]), or None when the match does not qualify; other
+    # results: the nodes of the match the op's results 1.. replace (the root is result 0)
+    build: Callable[[dict], tuple | None]
     dtypes: frozenset  # what its fused kernel computes in: every tensor operand has one of them, the same
     # shaped and typed like its first operand, its operands of one dtype (build checks the others')
     like_first: bool = True
@@ -247,6 +319,7 @@ COMPOSITES: dict[str, Composite] = {
     "quantized_mm": Composite(_QUANTIZED_MM, _quantized_mm, frozenset({torch.float32}), like_first=False, exclusive=False),
     "quantized_addmm": Composite(_QUANTIZED_ADDMM, _quantized_mm, frozenset({torch.float32}), like_first=False,
                                  exclusive=False),
+    "delta_rule": Composite(_READOUT, _delta_rule, frozenset({torch.float32}), like_first=False),
 }
 
 
@@ -261,6 +334,35 @@ def _qualifies(root: fx.Node, args: tuple, c: Composite) -> bool:
     if out is None or first is None or (out.shape, out.dtype) != (first.shape, first.dtype):
         return False
     return first.dtype in c.dtypes and all(v.dtype == first.dtype for v in map(_val, args) if v is not None)
+
+
+def _in_place_for(results: tuple, args: tuple, inside: set) -> bool:
+    """Can one node at the root's place replace all of them: does nothing outside the match read
+    the other results before the root (before the op that would make them)?"""
+    if len(results) == 1:
+        return True
+    before, n = set(), results[0].prev
+    while n.op != "root":
+        before.add(n)
+        n = n.prev
+    return all(u in inside or u not in before for r in results[1:] for u in r.users) and \
+        all(a in before for a in args if isinstance(a, fx.Node))
+
+
+def _replace(g: fx.Graph, results: tuple, op, args: tuple, inside: set) -> None:
+    """One node of `op` in place of the results' nodes (getitems of it for several) wherever
+    something outside the match reads them."""
+    root = results[0]
+    with g.inserting_before(root):
+        node = g.call_function(op, args)
+        items = [g.call_function(operator.getitem, (node, i)) for i in range(len(results))] if len(results) > 1 else [node]
+    node.meta = dict(root.meta)
+    if len(results) > 1:
+        node.meta["val"] = tuple(r.meta["val"] for r in results)
+    for item, r in zip(items, results):
+        if item is not node:
+            item.meta = dict(r.meta)
+        r.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
 
 
 def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
@@ -280,14 +382,15 @@ def fuse(graph: CapturedGraph, names: Iterable[str]) -> CapturedGraph:
             if not _match(c.pattern, root, env):
                 continue
             built = c.build(env)
-            leaves = {v for v in env.values() if isinstance(v, fx.Node)}
-            if built is None or not _qualifies(root, built[1], c) or (c.exclusive and not _self_contained(root, leaves)):
+            if built is None:
                 continue
-            op, args = built
-            with g.inserting_before(root):
-                node = g.call_function(op, args)
-            node.meta = dict(root.meta)
-            root.replace_all_uses_with(node)
+            op, args, *more = built
+            results = (root, *(more[0] if more else ()))
+            inside = _inside(root, {v for v in env.values() if isinstance(v, fx.Node)})
+            if not _qualifies(root, args, c) or (c.exclusive and not _self_contained(inside, results)) \
+                    or not _in_place_for(results, args, inside):
+                continue
+            _replace(g, results, op, args, inside)
             fused[name] += 1
             break
     events.STATS.fused.update(fused)
