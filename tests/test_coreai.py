@@ -169,6 +169,27 @@ def test_a_palettized_generating_bundle_generates_the_palettized_models_tokens(t
     assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_prompts_of_new_lengths_run_on_core_ai_functions_with_dims_that_vary(name):
+    """generate() at a new prompt length every call over DynamicCache: the graphs whose sizes vary
+    (templates) compiled once as Core AI functions with `?` dims (RoPE's composite among them), every
+    call's tokens eager's."""
+    from torchnative.sizes import SIZES
+
+    model = models.build(name)
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["coreai"], compile_after=2, background=False)
+    torchnative.reset_stats()
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with record(events.PartitionCompiled) as built, torch.no_grad():
+        for n in (8, 11, 13, 9, 15):
+            ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
+            assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs)), n
+    assert not torchnative.stats()["fallbacks"], torchnative.stats()["fallbacks"]
+    varying = [e.step for e in built if e.step.delegate == "coreai" and any(SIZES in n.meta for n in e.step.graph.gm.graph.nodes)]
+    assert varying and "?x" in str(REGISTRY["coreai"]._convert({"main": fuse(varying[0].graph, REGISTRY["coreai"].composites)}))
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_gated_delta_rule_is_core_ai_s_composite(tokens):
     """transformers' recurrent gated delta rule (Qwen3-Next's decode) on coreai: each token's step

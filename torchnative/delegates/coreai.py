@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from torchnative.delegates import coreai_composites
 from torchnative.delegates.base import state_or_aten, tensors
-from torchnative.delegates.coreml import unpack, zip_folder
+from torchnative.delegates.coreml import CHOOSE, unpack, zip_folder
 from torchnative.delegates.probe import Probe
 from torchnative.interface import Artifact, Availability, Runner, Support
 from torchnative.ir import CapturedGraph, is_weight
@@ -67,11 +67,11 @@ class CoreAI:
     toolchain = ("coreai-torch", "coreai-core")
     extension = "aimodel.zip"
     calibrates = False
-    # static: the partitioner leaves nodes whose sizes vary to eager (a bundle's buckets take them).
-    # With `?` dims (dynamic=True; the probe then needs its nodes at concrete sizes), Positional
-    # and BERT ran, but the reference runtime killed the process (illegal instruction, in its
-    # native code) running a Llama decode step's graph over DynamicCache: no exception to fall back on
-    dynamic = False
+    # sizes that vary are `?` dims of the Core AI function (the export's dynamic_shapes). The
+    # composites' bodies slice to a dim's end whatever its size: a slice to the static size a `?`
+    # dim does not have made the reference runtime abort the process (a fatal error in its native
+    # code, nothing to catch)
+    dynamic = True
 
     def __init__(self):
         self._probe = Probe(self, "coreai-ops", "Core AI", lambda graph: self._convert({"main": graph}))
@@ -79,7 +79,7 @@ class CoreAI:
     def available(self) -> Availability:
         if importlib.util.find_spec("coreai_torch") is None or importlib.util.find_spec("coreai") is None:
             return Availability("unavailable", "coreai-torch and coreai-core are not installed", _HINT)
-        return Availability("executes", f"runs on {_HERE}")
+        return Availability("executes", f"runs on {_HERE}; {CHOOSE}")
 
     def supports(self, node: fx.Node) -> Support:
         verdict = state_or_aten(node, "Core AI state")

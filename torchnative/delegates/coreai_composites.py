@@ -26,6 +26,9 @@ from torchnative.ir import CapturedGraph
 from torchnative.passes.derived import add_constant
 
 
+_WHOLE_DIM = 2 ** 31 - 1  # a slice's end that takes the whole dim (coreai-torch's own for aten.slice)
+
+
 def register(converter: Any) -> None:
     """Teach a coreai_torch.TorchConverter our composites."""
     converter.register_torch_lowering("torchnative::rms_norm.default")(_rms_norm)
@@ -126,7 +129,7 @@ def _rope(values: dict, node: fx.Node, loc: Any):
     shape, half = list(x.type.shape), x.type.shape[-1] // 2
 
     def halves(v, rank: int):  # v[..., :half] and v[..., half:] of a rank-`rank` tensor
-        lead = list(v.type.shape[:-1])
+        lead = [_WHOLE_DIM] * (rank - 1)  # to the end, whatever its size: a dim that varies has none here
         first = coreai.slice_(v, [0] * rank, [*lead, half], [1] * rank)
         return first, coreai.slice_(v, [0] * (rank - 1) + [half], [*lead, 2 * half], [1] * rank)
 
@@ -154,8 +157,9 @@ def _delta_rule(values: dict, node: fx.Node, loc: Any):
     b, h, dk, dv = state.type.shape
 
     def token(x):  # token `index` of a sequence [b, h, s, ...], the sequence dim kept
-        shape = list(x.type.shape)
-        return coreai.slice_(x, [0, 0, index] + [0] * (len(shape) - 3), [b, h, index + 1, *shape[3:]], [1] * len(shape))
+        rank = x.type.rank
+        return coreai.slice_(x, [0, 0, index] + [0] * (rank - 3), [_WHOLE_DIM] * 2 + [index + 1] + [_WHOLE_DIM] * (rank - 3),
+                             [1] * rank)
 
     def perm(*axes):
         return coreai.constant(np.array(axes, dtype=np.uint32))

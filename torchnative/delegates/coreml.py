@@ -35,6 +35,8 @@ aten = torch.ops.aten
 _INDEX_PUT = aten.index_put.default
 _HINT = "pip install coremltools==9.0"
 _ELSEWHERE = "Core ML runs models on macOS and iOS only"
+# which of Apple's two to choose, said by both delegates' availability()
+CHOOSE = "coreml for devices on iOS 18 / macOS 15 up to 26 (Core ML); coreai for iOS / macOS 27 and later (Core AI)"
 PRECISIONS = ("float16", "float32")
 COMPRESSIONS = (None, "int8", "int4", "palettize4")
 # dtypes an ML program's tensors can hold (int64 and bool inputs are narrowed by the converter)
@@ -145,8 +147,8 @@ class CoreML:
         if importlib.util.find_spec("coremltools") is None:
             return Availability("unavailable", "coremltools is not installed", _HINT)
         if platform.system() != "Darwin":
-            return Availability("compile-only", _ELSEWHERE)
-        return Availability("executes")
+            return Availability("compile-only", f"{_ELSEWHERE}; {CHOOSE}")
+        return Availability("executes", CHOOSE)
 
     def supports(self, node: fx.Node) -> Support:
         verdict = state_or_aten(node, "Core ML state")

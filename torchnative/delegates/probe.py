@@ -14,6 +14,7 @@ from torchnative.delegates.base import in_clean_thread
 from torchnative import store
 from torchnative.interface import YES, Delegate, Support
 from torchnative.ir import CapturedGraph, is_weight, module_of
+from torchnative.sizes import SIZES
 from torchnative.quiet import quiet
 from torchnative.toolchain import fingerprint
 
@@ -61,7 +62,9 @@ def alone(node: fx.Node) -> CapturedGraph:
         return env[a]
 
     out = g.node_copy(node, copy)
-    out.meta = dict(node.meta)
+    # at the sizes it was recorded at: alone, a size its graph computes from others (a view to s0·2)
+    # names a symbol that none of its inputs has (the verdict is one per kind of node, any size)
+    out.meta = {k: v for k, v in node.meta.items() if k != SIZES}
     if isinstance(node.meta["val"], (tuple, list)):  # the first result: the one models use
         first = g.call_function(operator.getitem, (out, 0))
         first.meta = {"val": node.meta["val"][0]}
