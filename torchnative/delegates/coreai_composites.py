@@ -154,6 +154,9 @@ def _delta_rule(values: dict, node: fx.Node, loc: Any):
 
     state, q, k, v, g, beta = (values[a.name] for a in node.args[:6])
     index, scale = node.args[6:]
+    if not state.type.has_static_shape:  # the body's reshapes name its sizes: refused, not a wrong program
+        raise NotImplementedError(f"a gated delta rule whose state's sizes vary ({node.args[0].meta['val'].shape}): "
+                                  "Core AI's composite is built for a fixed state")
     b, h, dk, dv = state.type.shape
 
     def token(x):  # token `index` of a sequence [b, h, s, ...], the sequence dim kept
