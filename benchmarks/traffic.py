@@ -1,7 +1,7 @@
 """Real traffic (issue 37): what users send, not what our other benchmarks repeat. Every call a new
 size, engines interleaved call by call (each its own model copy), idle gaps between.
 
-    python benchmarks/traffic.py [--workloads chat-gpt2,chat-llama,bert,ttt,memory] [--calls 16]
+    python benchmarks/traffic.py [--workloads chat-gpt2,chat-llama,bert,ttt,memory,memory-chat] [--calls 16]
                                  [--new 24] [--no-compile]
 
 - chat-*: `generate(max_new_tokens=--new)` with the default cache, each call a new prompt length
@@ -13,6 +13,8 @@ size, engines interleaved call by call (each its own model copy), idle gaps betw
   from one long sequence): forward of whole sequences, then streaming chunks.
 - memory: 2 x 1000 calls of random sizes of a tiny GPT-2 forward; resident memory growth in each
   thousand (the first holds the first compiles).
+- memory-chat: 2 x 8 `generate()` calls of GPT-2 small at random prompt lengths; resident memory
+  growth in each eight (not in the default list: a minute of eager-speed recording).
 
 Per workload and engine: the first call's seconds, calls 5+ and all calls as a ratio to eager's
 (> 1 is faster), whether outputs equal eager's. Prints tables; writes benchmarks/results/traffic.json.
@@ -236,6 +238,32 @@ def memory(calls: int) -> dict:
             "accelerate growth MB (first, second)": rows["accelerate"], "evicted": dict(torchnative.stats()["evicted"])}
 
 
+def memory_chat(calls: int, new: int) -> dict:
+    """Resident memory over two runs of `calls` generate() calls of GPT-2 small, each a new prompt
+    length, eager's then accelerate's (compiles off: what recording itself keeps)."""
+    rows = {}
+    rng = random.Random(0)
+    lengths = [rng.randint(8, 200) for _ in range(2 * calls + 1)]
+    for k in ("eager", "accelerate"):
+        clear_caches()
+        model = models.build("gpt2", "base")
+        if k == "accelerate":
+            torchnative.accelerate(model, compile_after=10 ** 9)
+        marks = []
+        with torch.no_grad():
+            for i, n in enumerate(lengths):
+                if i in (1, 1 + calls):
+                    gc.collect()
+                    marks.append(_rss_mb())
+                model.generate(torch.randint(1, 1000, (1, n)), max_new_tokens=new, do_sample=False, pad_token_id=0)
+            gc.collect()
+        marks.append(_rss_mb())
+        rows[k] = (round(marks[1] - marks[0]), round(marks[2] - marks[1]))
+        del model
+    return {"workload": f"memory-chat (2 x {calls} generate, GPT-2 small)", "eager growth MB (first, second)": rows["eager"],
+            "accelerate growth MB (first, second)": rows["accelerate"]}
+
+
 def _stats() -> dict:
     s = torchnative.stats()
     return {"programs compiled": sum(1 for p in programs() if any(d != "eager" for d, _ in p.partitions)),
@@ -261,6 +289,8 @@ def main() -> None:
             rows += ttt(args.calls, not args.no_compile)
         elif w == "memory":
             extra.append(memory(1000))
+        elif w == "memory-chat":
+            extra.append(memory_chat(8, args.new))
     engines = ["accelerate"] + ([] if args.no_compile else ["torch.compile"])
     cols = [("workload", "{}"), ("calls", "{}"), ("eager first s", "{:.2f}")]
     for k in engines:
