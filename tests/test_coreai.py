@@ -158,14 +158,19 @@ def test_palettized_weights_are_core_ai_lookups():
     assert (dequantized(w, "palettize4") - w).norm() < 0.15 * w.norm()
 
 
-def test_a_palettized_generating_bundle_generates_the_palettized_models_tokens(tmp_path):
-    """capture-and-compile --targets coreai --quantize palettize4: one asset whose linear weights are
-    lookups; a fresh process generates the tokens of the model with the palettized values."""
-    bundle, config = _bundle("GPT2LMHeadModel", tmp_path, "--targets", "coreai", "--quantize", "palettize4")
+@pytest.mark.parametrize("quantize", [None, "palettize4"])
+def test_a_generating_bundle_generates_eager_s_tokens_in_a_fresh_process(tmp_path, quantize):
+    """capture-and-compile --targets coreai [--quantize palettize4]: one asset, its KV caches Core AI
+    states; a fresh process generates the tokens of the model (with the palettized values: they
+    change the tokens, so the lookups are what ran)."""
+    extra = ("--quantize", quantize) if quantize else ()
+    bundle, config = _bundle("GPT2LMHeadModel", tmp_path, "--targets", "coreai", *extra)
     manifest = torchnative.load(bundle).manifest
     assert {p["delegate"] for m in manifest["methods"].values() for g in m["programs"] for p in g["partitions"]} == {"coreai"}
-    expected = _eager("GPT2LMHeadModel", config, "palettize4")
-    assert not torch.equal(expected, _eager("GPT2LMHeadModel", config))  # the palettized values change the tokens
+    assert sorted(_function_states(bundle, "decode")) == sorted(s["shape"] for s in manifest["state"])
+    expected = _eager("GPT2LMHeadModel", config, quantize)
+    if quantize:
+        assert not torch.equal(expected, _eager("GPT2LMHeadModel", config))
     assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
 
 
