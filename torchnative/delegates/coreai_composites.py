@@ -42,8 +42,7 @@ def palettized(graph: CapturedGraph) -> CapturedGraph:
     """A copy whose palettized weights (passes.quantize: a constant whose meta holds its indices and
     table) are `coreai::lut_to_dense` of two constants, the indices uint8 (the converter narrows them
     to the table's 4 bits) and the table [out, 1, 2**bits, 1]: one table per output channel."""
-    found = [p for p in graph.placeholders() if "palette" in p.meta]
-    if not found:
+    if not any("palette" in p.meta for p in graph.placeholders()):
         return graph
     from coreai_torch._compression.custom_layers import lut_to_dense  # noqa: F401 -- registers coreai::lut_to_dense
 
