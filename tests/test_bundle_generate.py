@@ -34,10 +34,12 @@ def _config(arch: str, tmp: Path) -> Path:
     return path
 
 
-def _eager(arch: str, config: Path, quantize: str | None = None) -> torch.Tensor:
+def _eager(arch: str, config: Path, quantize: str | None = None, activations: bool = False) -> torch.Tensor:
+    """Greedy tokens of eager; `quantize`: with the weights dequantized (and `activations`: the
+    activations quantized as ort's low-bit kernels do)."""
     model = models.transformers_model(arch, str(config), use_cache=True)
     if quantize:
-        model = dequantized_copy(model, quantize)
+        model = dequantized_copy(model, quantize, activations)
     with torch.no_grad():
         return model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
 
@@ -134,7 +136,7 @@ def test_int4_bundle_keeps_the_cache_float_and_generates_the_dequantized_models_
     stored = manifest["weights"]["tensors"]
     assert not any(n.endswith("attn.c_attn.weight") for n in stored)
     assert sum(1 for n, t in stored.items() if t["dtype"] == "int8") == 2 * 4 + 1  # four per layer, and the LM head (its tied embedding stays float)
-    assert torch.equal(_fresh_generate(bundle, tmp_path), _eager("GPT2LMHeadModel", config, "int4"))
+    assert torch.equal(_fresh_generate(bundle, tmp_path), _eager("GPT2LMHeadModel", config, "int4", activations=True))
 
 
 # -- refused: a prompt the cache cannot hold, a state of the wrong shape, a tampered state spec -------

@@ -75,10 +75,11 @@ def capture(delegates: Sequence[str] | None = None, *, compile_after: int | None
             as Core AI's lookup table and 4-bit indices;
             `torchnative.passes.quantize.dequantized(w, scheme)` is the weight the graph uses
             where a matmul reads it. On `ort`, matmuls of such weights run ONNX Runtime's
-            low-bit kernels: int8 as MatMulInteger, which quantizes the activations too (per
-            tensor, dynamically: within ~1 % of the largest output of the dequantized weights'
-            result on GPT-2 small's logits, benchmarks/quantized_decode.py), int4 as MatMulNBits
-            (blocks of 32, computing in float32: the dequantized weights' result to ~1e-6).
+            low-bit kernels, which quantize the activations too: int8 as MatMulInteger (per
+            tensor, dynamically), int4 as MatMulNBits on its int8 path (blocks of 32); each
+            within ~1 % of the largest output of the dequantized weights' result on GPT-2 small's
+            logits (benchmarks/quantized_decode.py), and that of the model
+            `passes.quantize.dequantized_copy(model, scheme, activations=True)` makes, to rounding.
             Other delegates compute with the dequantized values.
             Graphs that autograd records (grad mode on, an input requiring grad) stay float32,
             with a warning: their backward would run on the float weights autograd saved.

@@ -112,11 +112,29 @@ def dequantized(w: torch.Tensor, scheme: str, in_out: bool = False) -> torch.Ten
     return expanded(*quantize_tensor(w, scheme), scheme, list(w.shape)).to(w.dtype)
 
 
-def dequantized_copy(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+def low_bit_activations(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """The values ONNX Runtime's low-bit kernel for `scheme` multiplies a matmul's activations
+    `x` as: int8's MatMulInteger takes them quantized per tensor (DynamicQuantizeLinear: uint8,
+    its zero point and scale from the tensor's range), int4's MatMulNBits at accuracy level 4 in
+    blocks of 32 along the reduced dimension (int8, symmetric, scale max|x|/127). Rounding half to
+    even, as both do."""
+    if scheme == "int8":
+        low, high = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
+        scale = (high - low) / 255 or 1.0
+        zero = min(max(round(-low / scale), 0), 255)
+        return (torch.clamp(torch.round(x / scale) + zero, 0, 255) - zero) * scale
+    group = SCHEMES[scheme][1]
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(scale == 0, 1.0, scale)) * scale).reshape(x.shape)
+
+
+def dequantized_copy(model: torch.nn.Module, scheme: str, activations: bool = False) -> torch.nn.Module:
     """A copy of `model` whose linear layers' weights are the values the quantized graphs compute
     with (eager's reference for `quantize=scheme`): nn.Linear's (out, in), transformers' Conv1D's
     (in, out), each a Parameter of its own, so an embedding tied to the LM head stays float as in
-    the graphs (only matmuls read dequantized values)."""
+    the graphs (only matmuls read dequantized values). `activations`: the layers' inputs too are
+    the values `ort`'s low-bit kernels compute with (low_bit_activations)."""
     import copy
 
     from transformers.pytorch_utils import Conv1D
@@ -126,6 +144,8 @@ def dequantized_copy(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         for m in ref.modules():
             if isinstance(m, (torch.nn.Linear, Conv1D)):
                 m.weight = torch.nn.Parameter(dequantized(m.weight, scheme, in_out=isinstance(m, Conv1D)))
+                if activations:
+                    m.register_forward_pre_hook(lambda _, args: (low_bit_activations(args[0], scheme), *args[1:]))
     return ref
 
 
