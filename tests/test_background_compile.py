@@ -87,6 +87,41 @@ def test_a_weight_written_while_its_program_compiles_is_pinned_not_served_stale(
     assert compiled and all(ref() is not model[0].weight for p in compiled for _, ref, _ in p.baked)
 
 
+class _Slots(torch.nn.Module):
+    """A static cache's write: each call writes its row at the slot a counter holds, then moves the
+    counter on — transformers' StaticCache (`cumulative_length`) in small."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots, self.at = torch.zeros(4, 8), torch.tensor(0)
+
+    def forward(self, x):
+        self.slots.index_copy_(0, self.at.view(1), x)
+        self.at.add_(1)
+        return self.slots.sum(0) * 2
+
+
+def test_a_state_written_by_the_calls_after_its_build_started_is_built_on_its_value_at_the_call(monkeypatch):
+    """A background build checks its program on the values its inputs had at the call that
+    started it, not on what later calls left there: here the counter the next call moved past the
+    last slot (the build's check indexed out of range, and the error reached the user's call)."""
+    model, eager = _Slots(), _Slots()
+    torchnative.accelerate(model, delegates=["ort"], background=True, compile_after=1)
+    clear_caches()
+    gate = _gated_builds(monkeypatch)
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(1, 8, generator=torch.Generator().manual_seed(i))
+            for m in (model, eager):  # the harness puts the counter back at the last slot: it ends at 4
+                m.at.fill_(3)
+            assert_same(model(x), eager(x), **ORT)
+            assert_same(model.slots, eager.slots, **ORT)
+            if i == 1:  # the build started at the first call; it runs once the counter is at 4
+                gate.set()
+                torchnative.wait_for_compiles()
+    assert _compiled(programs()) and not torchnative.stats()["fallbacks"]
+
+
 def test_adaptation_steps_match_eager_with_background_compiles():
     tent = METHODS[0]
     model = _resnet()

@@ -24,7 +24,7 @@ from torchnative.recording.trie import Recorded
 from torchnative.delegates.base import fresh_dispatch_state
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
-from torchnative.ir import CapturedGraph
+from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.pin import pin
 from torchnative.cache import calibration
 from torchnative.lru import Lru
@@ -336,7 +336,13 @@ class ProgramCache:
     def _build_in_background(self, key: tuple, graph: Recorded, inputs: list) -> None:
         if key not in self.building:
             built_for, _, delegates, quantize = key
-            job = _switch.submit(build_program, _graph(built_for, graph), delegates, list(inputs), quantize,
+            captured = _graph(built_for, graph)
+            # the build runs its program and eager's on these values after this call and later ones
+            # wrote its states (a cache's counter moved past the last slot): they are taken as they
+            # are now; the weights, which it bakes by identity, are not copied
+            now = [_as_now(t) if isinstance(t, torch.Tensor) and not is_weight(role) else t
+                   for t, role in zip(inputs, captured.input_roles)]
+            job = _switch.submit(build_program, captured, delegates, now, quantize,
                                  calibration_sets=self.calibration.get(graph, []))
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
             job.add_done_callback(lambda _, run_key=key[:3]: self._compiled_run(run_key))
@@ -438,6 +444,14 @@ def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
     """The recorded graph, annotated with the rules of the template it runs under, if any
     (cache/templates.py)."""
     return built_for.at(graph) if isinstance(built_for, Template) else graph.graph()
+
+
+def _as_now(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`'s values with its sizes, strides and offset (its storage copied)."""
+    with torch.no_grad():
+        copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+    return copy.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else copy
 
 
 def _ref(x) -> weakref.ref | None:
