@@ -1,18 +1,23 @@
-"""Quantized weights on ONNX Runtime's low-bit kernels: GPT-2 small greedy decoding (a static KV
-cache of 128 positions, 32 new tokens) and BERT-base prefill, eager float32 against
+"""Quantized weights on ONNX Runtime's low-bit kernels, beside llama.cpp on the same weights:
+greedy decoding (a static KV cache of 128 positions, 32 new tokens) of GPT-2 small and a
+Llama-style model (the llama base preset, 4 layers), and BERT-base prefill; eager float32 against
 torchnative.accelerate with `ort` in float32, `quantize="int8"` (MatMulInteger on dynamically
-quantized activations) and `quantize="int4"` (MatMulNBits, blocks of 32), and candle's q4k.
+quantized activations) and `quantize="int4"` (MatMulNBits, blocks of 32, int8 activations), and
+candle's q4k (GPT-2); llama.cpp (llama-cpp-python, benchmarks/llamacpp.py) in f32, f16, Q8_0 and
+Q4_0 with the same tensors quantized (skipped, with the reason, where it is not installed).
 
-    python benchmarks/quantized_decode.py [--steps 32] [--prompt 16] [--runs 3] [--bert-seq 128] [--only decode|step|prefill]
+    python benchmarks/quantized_decode.py [--steps 32] [--prompt 16] [--runs 3] [--bert-seq 128]
+        [--only decode|step|prefill] [--models gpt2,llama4]
 
 Random weights (torch.manual_seed(0)), nothing downloaded. Accuracy per scheme: one decode step's
-logits against eager float32 and against the eager model with the weights the scheme dequantizes
-to (passes.quantize.dequantized: what every delegate without low-bit kernels computes), max and
-mean absolute error, and greedy tokens shared with each over the decode. One decode step at position
-128 is also timed against ONNX Runtime standalone (the step exported whole) in float32, int8
-(its quantize_dynamic, per channel) and int4 (its MatMulNBitsQuantizer, blocks of 32, symmetric,
-accuracy_level 4). Engines interleaved with
-idle gaps (common.interleave). Prints tables; writes benchmarks/results/quantized_decode.json.
+logits (every engine given the same token) against eager float32 and against the eager model with
+the weights the scheme dequantizes to (passes.quantize.dequantized_copy; for ort's integer
+kernels with the activations they quantize too), max and mean absolute error, and greedy tokens
+shared with each over the decode. One decode step of GPT-2 at position 128 is also timed against
+ONNX Runtime standalone (the step exported whole) in float32, int8 (its quantize_dynamic, per
+channel) and int4 (its MatMulNBitsQuantizer, blocks of 32, symmetric, accuracy_level 4). Engines
+interleaved with idle gaps (common.interleave). Prints tables; writes
+benchmarks/results/quantized_decode.json.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torchnative  # before torch: a short OpenMP spin, as users are told (torc
 import argparse
 import importlib.util
 import json
+import os
 import tempfile
 import statistics
 import sys
@@ -33,61 +39,102 @@ from torchnative import models
 from torchnative.passes.quantize import dequantized_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
 from candle_decode import Decoder  # noqa: E402
 from common import elapsed, interleave, table, write  # noqa: E402
 
 warnings.filterwarnings("ignore")
 CACHE = 128
+THREADS = os.cpu_count()  # llama.cpp's, as ONNX Runtime's intra-op pool: one per core
 # (row name, delegate, quantize)
 ENGINES = [("accel[ort] fp32", "ort", None), ("accel[ort] int8", "ort", "int8"), ("accel[ort] int4", "ort", "int4"),
            ("accel[candle-q4k]", "candle-q4k", None)]
 
 
-def _logits(model, prompt: torch.Tensor) -> torch.Tensor:
-    """A decode step's logits: the step after the prompt's prefill, on a fresh static cache."""
+def _logits(model, prompt: torch.Tensor, token: int) -> torch.Tensor:
+    """A decode step's logits: `token` after the prompt's prefill, on a fresh static cache. Every
+    engine is given the same token: a greedy token of its own prefill would flip on a near tie
+    (random weights have many) and make the step another step."""
     d = Decoder(model, prompt, 1, CACHE)
     with torch.no_grad():
-        token = d.prefill()
-        return d.model(token, past_key_values=d.cache, cache_position=torch.tensor([prompt.shape[1]])).logits[0, -1]
+        d.prefill()
+        return d.model(torch.tensor([[token]]), past_key_values=d.cache,
+                       cache_position=torch.tensor([prompt.shape[1]])).logits[0, -1]
 
 
 def _same(a: list[int], b: list[int]) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
 
 
-def decode(a) -> list[dict]:
-    model = models.build("gpt2", "base")
-    prompt = models.example_inputs("gpt2", model, seq=a.prompt)["input_ids"]
+def _llama4():
+    """A Llama-style model: the `llama` base preset's sizes, 4 layers."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**models.PRESETS["llama"]["base"], "num_hidden_layers": 4})
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+# the decoded models: name → (model factory, its example inputs' short name, candle's row or not)
+MODELS = {"gpt2": (lambda: models.build("gpt2", "base"), "gpt2", True), "llama4": (_llama4, "llama", False)}
+
+
+def _llama_cpp(model, prompt: torch.Tensor, steps: int, where: Path) -> tuple[dict, str]:
+    """llama.cpp's decoders on `model`'s tensors (benchmarks/llamacpp.py), or why there are none."""
+    why = llamacpp.missing()
+    if why:
+        return {}, why
+    f32 = llamacpp.write_f32(model, where / "model.gguf")
+    return {f"llama.cpp {k}": llamacpp.LlamaCppDecoder(llamacpp.quantized(f32, k), prompt, steps, THREADS)
+            for k in llamacpp.TYPES}, ""
+
+
+def decode(a, name: str) -> list[dict]:
+    factory, inputs_of, with_candle = MODELS[name]
+    model = factory()
+    prompt = models.example_inputs(inputs_of, model, seq=a.prompt)["input_ids"]
     decoders = {"eager fp32": Decoder(model, prompt, a.steps, CACHE)}
-    for name, delegate, scheme in ENGINES:
-        accelerated = torchnative.accelerate(models.build("gpt2", "base"), delegates=[delegate], quantize=scheme)
-        decoders[name] = Decoder(accelerated, prompt, a.steps, CACHE)
+    schemes = {"eager fp32": None}
+    for row, delegate, scheme in ENGINES if with_candle else ENGINES[:3]:
+        accelerated = torchnative.accelerate(factory(), delegates=[delegate], quantize=scheme)
+        decoders[row], schemes[row] = Decoder(accelerated, prompt, a.steps, CACHE), scheme or ("q4k" if "q4k" in row else None)
     rows = {k: {"engine": k} for k in decoders}
     tokens = {}
     for k, d in decoders.items():
         rows[k]["first_s"] = elapsed(lambda: tokens.__setitem__(k, d()))
-    interleave(decoders, a.runs)
-    eager_ms = statistics.median(decoders["eager fp32"].decode_s[2:]) / a.steps * 1e3
-    exact = _logits(model, prompt)
-    for (k, d), (_, _, scheme) in zip(decoders.items(), [(None, None, None)] + ENGINES):
-        r = rows[k]
-        r["step_ms"] = statistics.median(d.decode_s[2:]) / a.steps * 1e3
-        r["tokens_per_s"], r["x_eager"] = 1e3 / r["step_ms"], eager_ms / r["step_ms"]
-        r["same_tokens_fp32"] = _same(tokens[k], tokens["eager fp32"])
-        if k == "eager fp32":
-            continue
-        got = _logits(d.model, prompt)
-        r["max_err_fp32"], r["mean_err_fp32"] = (got - exact).abs().max().item(), (got - exact).abs().mean().item()
-        kind = scheme or ("q4k" if "q4k" in k else None)
-        if kind:
-            ref = dequantized_copy(model, kind)
-            want = _logits(ref, prompt)
-            r["max_err_deq"], r["mean_err_deq"] = (got - want).abs().max().item(), (got - want).abs().mean().item()
-            r["same_tokens_deq"] = _same(tokens[k], Decoder(ref, prompt, a.steps, CACHE)())
-    print(f"GPT-2 small (random weights), greedy decoding of {a.steps} tokens after a {a.prompt}-token prompt, "
-          f"static cache of {CACHE}; medians of {a.runs} interleaved runs; logits of one decode step "
-          f"(max |logit| {exact.abs().max().item():.2f})")
-    cols = [("engine", "{}"), ("tokens_per_s", "{:.1f}"), ("step_ms", "{:.1f}"), ("x_eager", "{:.2f}x"),
+    with tempfile.TemporaryDirectory() as where:
+        native, skipped = _llama_cpp(model, prompt, a.steps, Path(where))
+        for k, d in native.items():
+            rows[k] = {"engine": k, "first_s": elapsed(lambda: tokens.__setitem__(k, d()))}
+        interleave({**decoders, **native}, a.runs)
+        token = int(decoders["eager fp32"].prefill())  # the token every engine's logits are taken after
+        exact = _logits(model, prompt, token)
+        logits = {k: _logits(d.model, prompt, token) for k, d in decoders.items()}
+        logits.update({k: d.logits(token) for k, d in native.items()})
+        eager_ms = statistics.median(decoders["eager fp32"].decode_s[2:]) / a.steps * 1e3
+        for k, d in {**decoders, **native}.items():
+            r = rows[k]
+            r["step_ms"] = statistics.median(d.decode_s[2:]) / a.steps * 1e3
+            r["tokens_per_s"], r["x_eager"] = 1e3 / r["step_ms"], eager_ms / r["step_ms"]
+            r["same_tokens_fp32"] = _same(tokens[k], tokens["eager fp32"])
+            if k == "eager fp32":
+                continue
+            got = logits[k]
+            r["max_err_fp32"], r["mean_err_fp32"] = (got - exact).abs().max().item(), (got - exact).abs().mean().item()
+            scheme = schemes.get(k)
+            if scheme:  # against eager with the weights the scheme dequantizes to, and for ort's
+                # integer kernels with the activations they quantize (passes.quantize.low_bit_activations)
+                ref = dequantized_copy(model, scheme, activations=k.startswith("accel[ort]"))
+                want = _logits(ref, prompt, token)
+                r["max_err_deq"], r["mean_err_deq"] = (got - want).abs().max().item(), (got - want).abs().mean().item()
+                r["same_tokens_deq"] = _same(tokens[k], Decoder(ref, prompt, a.steps, CACHE)())
+    print(f"{name} (random weights), greedy decoding of {a.steps} tokens after a {a.prompt}-token prompt, "
+          f"static cache of {CACHE}, {THREADS} threads (llama.cpp's; ort's are the cores'); medians of {a.runs} interleaved runs; logits "
+          f"of one decode step after the same token (max |logit| {exact.abs().max().item():.2f}); err_deq: against "
+          f"eager with the dequantized weights (ort's rows: and its kernels' quantized activations)")
+    if skipped:
+        print(f"llama.cpp rows skipped: {skipped}")
+    cols = [("engine", "{}"), ("tokens_per_s", "{:.1f}"), ("step_ms", "{:.2f}"), ("x_eager", "{:.2f}x"),
             ("max_err_fp32", "{:.3g}"), ("mean_err_fp32", "{:.3g}"), ("max_err_deq", "{:.3g}"), ("mean_err_deq", "{:.3g}"),
             ("same_tokens_fp32", "{}"), ("same_tokens_deq", "{}"), ("first_s", "{:.1f}")]
     print(table(list(rows.values()), cols))
@@ -210,12 +257,15 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--bert-seq", type=int, default=128)
     p.add_argument("--only", choices=["decode", "step", "prefill"])
+    p.add_argument("--models", default="gpt2,llama4", help=f"decoded models, of {sorted(MODELS)}")
     a = p.parse_args()
     payload = {"torch": torch.__version__, "steps": a.steps, "prompt": a.prompt, "cache": CACHE}
     previous = Path(__file__).parent / "results" / "quantized_decode.json"
     if a.only and previous.exists():  # one part measured again: the others' last figures stay
         payload = {**json.loads(previous.read_text()), **payload}
-    for part, fn in (("decode", decode), ("step", step), ("prefill", prefill)):
+    if a.only in (None, "decode"):
+        payload["decode"] = {name: decode(a, name) for name in a.models.split(",")}
+    for part, fn in (("step", step), ("prefill", prefill)):
         if a.only in (None, part):
             payload[part] = fn(a)
     print(f"wrote {write('quantized_decode', payload)}")
