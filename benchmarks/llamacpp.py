@@ -4,8 +4,8 @@ them (GPT-2's Conv1D weights transposed to (out, in); Llama's q and k rows permu
 rotary pairs), quantized by llama.cpp itself (llama_model_quantize), and run by llama-cpp-python.
 
 The vocabulary is a placeholder (byte-level symbols, then numbered ones): rows feed token ids,
-never text. llama-cpp-python builds from its sdist (`pip install llama-cpp-python==0.3.36 gguf`,
-a few minutes with cmake and gcc); without it a row is skipped with that reason."""
+never text. llama-cpp-python builds from its sdist (`pip install -e ".[llamacpp]"`, a few minutes
+with cmake and gcc); without it the rows are skipped with that reason."""
 from __future__ import annotations
 
 import time
@@ -27,7 +27,7 @@ def missing() -> str:
         import gguf  # noqa: F401
         import llama_cpp  # noqa: F401
     except ImportError as e:
-        return f"{e.name} is not installed (pip install llama-cpp-python==0.3.36 gguf: builds llama.cpp from source)"
+        return f"{e.name} is not installed (pip install -e \".[llamacpp]\": builds llama.cpp from source)"
     return ""
 
 
