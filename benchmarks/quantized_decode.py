@@ -7,7 +7,7 @@ candle's q4k (GPT-2); llama.cpp (llama-cpp-python, benchmarks/llamacpp.py) in f3
 Q4_0 with the same tensors quantized (skipped, with the reason, where it is not installed).
 
     python benchmarks/quantized_decode.py [--steps 32] [--prompt 16] [--runs 3] [--bert-seq 128]
-        [--only decode|step|prefill] [--models gpt2,llama4]
+        [--only decode|step|prefill] [--models gpt2,llama4] [--busy]
 
 Random weights (torch.manual_seed(0)), nothing downloaded. Accuracy per scheme: one decode step's
 logits (every engine given the same token) against eager float32 and against the eager model with
@@ -24,12 +24,15 @@ from __future__ import annotations
 import torchnative  # before torch: a short OpenMP spin, as users are told (torchnative/threads.py)
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import tempfile
 import statistics
+import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -89,6 +92,22 @@ def _llama_cpp(model, prompt: torch.Tensor, steps: int, where: Path) -> tuple[di
             for k in llamacpp.TYPES}, ""
 
 
+@contextlib.contextmanager
+def _busy_core(busy: bool):
+    """With `busy`, another process spins on a core meanwhile: a machine that is not the
+    benchmark's alone (whose runtime's thread pool degrades less?)."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def decode(a, name: str) -> list[dict]:
     factory, inputs_of, with_candle = MODELS[name]
     model = factory()
@@ -106,7 +125,8 @@ def decode(a, name: str) -> list[dict]:
         native, skipped = _llama_cpp(model, prompt, a.steps, Path(where))
         for k, d in native.items():
             rows[k] = {"engine": k, "first_s": elapsed(lambda: tokens.__setitem__(k, d()))}
-        interleave({**decoders, **native}, a.runs)
+        with _busy_core(a.busy):
+            interleave({**decoders, **native}, a.runs)
         token = int(decoders["eager fp32"].prefill())  # the token every engine's logits are taken after
         exact = _logits(model, prompt, token)
         logits = {k: _logits(d.model, prompt, token) for k, d in decoders.items()}
@@ -128,7 +148,7 @@ def decode(a, name: str) -> list[dict]:
                 want = _logits(ref, prompt, token)
                 r["max_err_deq"], r["mean_err_deq"] = (got - want).abs().max().item(), (got - want).abs().mean().item()
                 r["same_tokens_deq"] = _same(tokens[k], Decoder(ref, prompt, a.steps, CACHE)())
-    print(f"{name} (random weights), greedy decoding of {a.steps} tokens after a {a.prompt}-token prompt, "
+    print(f"{name} (random weights){', another process spinning on a core' if a.busy else ''}, greedy decoding of {a.steps} tokens after a {a.prompt}-token prompt, "
           f"static cache of {CACHE}, {THREADS} threads (llama.cpp's; ort's are the cores'); medians of {a.runs} interleaved runs; logits "
           f"of one decode step after the same token (max |logit| {exact.abs().max().item():.2f}); err_deq: against "
           f"eager with the dequantized weights (ort's rows: and its kernels' quantized activations)")
@@ -258,13 +278,14 @@ def main() -> None:
     p.add_argument("--bert-seq", type=int, default=128)
     p.add_argument("--only", choices=["decode", "step", "prefill"])
     p.add_argument("--models", default="gpt2,llama4", help=f"decoded models, of {sorted(MODELS)}")
+    p.add_argument("--busy", action="store_true", help="decode timed with another process spinning on a core")
     a = p.parse_args()
     payload = {"torch": torch.__version__, "steps": a.steps, "prompt": a.prompt, "cache": CACHE}
     previous = Path(__file__).parent / "results" / "quantized_decode.json"
     if a.only and previous.exists():  # one part measured again: the others' last figures stay
         payload = {**json.loads(previous.read_text()), **payload}
     if a.only in (None, "decode"):
-        payload["decode"] = {name: decode(a, name) for name in a.models.split(",")}
+        payload["decode_busy" if a.busy else "decode"] = {name: decode(a, name) for name in a.models.split(",")}
     for part, fn in (("step", step), ("prefill", prefill)):
         if a.only in (None, part):
             payload[part] = fn(a)
