@@ -288,6 +288,29 @@ def test_generate_with_int4_weights_on_onnx_runtime_gives_the_dequantized_models
     assert torchnative.stats()["fused"].get("quantized_mm", 0) > 0 and not torchnative.stats()["fallbacks"]
 
 
+def test_a_llama_on_the_int4_kernel_decodes_the_tokens_of_its_reference():
+    """Llama's layers (q/k/v/o, gate/up/down, the LM head) on MatMulNBits: generate()'s greedy
+    tokens, calls after the first on the compiled programs, are those of eager with the
+    dequantized weights and the activations quantized as the kernel does, and its logits that
+    model's to float32 rounding. (int8's MatMulInteger on this Llama is 1.1 % of the largest logit
+    from the dequantized weights' result, within its stated bound, but ~0.4-1 % from its
+    per-tensor reference too, which GPT-2 and a lone Linear match to 5e-7: not understood yet.)"""
+    model = models.build("llama")
+    ids = models.example_inputs("llama", model, seq=8)["input_ids"]
+    reference = dequantized_copy(model, "int4", activations=True)
+    kwargs = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        want, logits = reference.generate(ids, **kwargs), reference(ids).logits
+        accelerated = torchnative.accelerate(model, delegates=["ort"], quantize="int4")
+        torchnative.reset_stats()
+        for _ in range(3):
+            assert torch.equal(accelerated.generate(ids, **kwargs), want)
+        for _ in range(3):  # recorded, compiled, replayed
+            got = accelerated(ids).logits
+    assert torchnative.stats()["fused"].get("quantized_mm", 0) > 0 and not torchnative.stats()["fallbacks"]
+    torch.testing.assert_close(got, logits, rtol=0, atol=1e-5 * logits.abs().max().item())
+
+
 class _GatedDeltaNet(torch.nn.Module):
     """transformers' recurrent gated delta rule (Qwen3-Next's decode path) over `s` tokens, from a
     state carried in: each token's step is one delta_rule."""
