@@ -447,10 +447,14 @@ def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
 
 
 def _as_now(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t`'s values with its sizes, strides and offset (its storage copied)."""
+    """A copy of `t`'s values with its sizes, strides and offset (its storage copied; a sparse or
+    quantized tensor, which has no such storage, cloned)."""
     with torch.no_grad():
-        copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+        if t.layout != torch.strided or t.is_quantized:
+            copy = t.detach().clone()
+        else:
+            copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
     return copy.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else copy
 
 
