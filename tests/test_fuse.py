@@ -292,9 +292,10 @@ def test_a_llama_on_the_int4_kernel_decodes_the_tokens_of_its_reference():
     """Llama's layers (q/k/v/o, gate/up/down, the LM head) on MatMulNBits: generate()'s greedy
     tokens, calls after the first on the compiled programs, are those of eager with the
     dequantized weights and the activations quantized as the kernel does, and its logits that
-    model's to float32 rounding. (int8's MatMulInteger on this Llama is 1.1 % of the largest logit
-    from the dequantized weights' result, within its stated bound, but ~0.4-1 % from its
-    per-tensor reference too, which GPT-2 and a lone Linear match to 5e-7: not understood yet.)"""
+    model's to float32 rounding. (int8 is not compared so: on this Llama one activation of layer
+    0's o_proj lies on a rounding boundary of its per-tensor quantization and lands one step apart
+    in ONNX Runtime and in the reference — every other matmul agrees to 2e-7 — and later layers'
+    quantization amplifies that step to 1 % of the largest logit, within int8's stated bound.)"""
     model = models.build("llama")
     ids = models.example_inputs("llama", model, seq=8)["input_ids"]
     reference = dequantized_copy(model, "int4", activations=True)
