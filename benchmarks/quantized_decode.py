@@ -48,6 +48,7 @@ from common import elapsed, interleave, table, write  # noqa: E402
 
 warnings.filterwarnings("ignore")
 CACHE = 128
+WARM = 3  # calls after the first before timing, each followed by wait_for_compiles
 THREADS = os.cpu_count()  # llama.cpp's, as ONNX Runtime's intra-op pool: one per core
 # (row name, delegate, quantize)
 ENGINES = [("accel[ort] fp32", "ort", None), ("accel[ort] int8", "ort", "int8"), ("accel[ort] int4", "ort", "int4"),
@@ -121,20 +122,26 @@ def decode(a, name: str) -> list[dict]:
     tokens = {}
     for k, d in decoders.items():
         rows[k]["first_s"] = elapsed(lambda: tokens.__setitem__(k, d()))
+    for d in decoders.values():  # steady state: its programs compiled (they build in the background)
+        for _ in range(WARM):
+            d()
+            torchnative.wait_for_compiles()
+        d.decode_s.clear()
     with tempfile.TemporaryDirectory() as where:
         native, skipped = _llama_cpp(model, prompt, a.steps, Path(where))
         for k, d in native.items():
             rows[k] = {"engine": k, "first_s": elapsed(lambda: tokens.__setitem__(k, d()))}
+            d.decode_s.clear()
         with _busy_core(a.busy):
             interleave({**decoders, **native}, a.runs)
         token = int(decoders["eager fp32"].prefill())  # the token every engine's logits are taken after
         exact = _logits(model, prompt, token)
         logits = {k: _logits(d.model, prompt, token) for k, d in decoders.items()}
         logits.update({k: d.logits(token) for k, d in native.items()})
-        eager_ms = statistics.median(decoders["eager fp32"].decode_s[2:]) / a.steps * 1e3
+        eager_ms = statistics.median(decoders["eager fp32"].decode_s) / a.steps * 1e3
         for k, d in {**decoders, **native}.items():
             r = rows[k]
-            r["step_ms"] = statistics.median(d.decode_s[2:]) / a.steps * 1e3
+            r["step_ms"] = statistics.median(d.decode_s) / a.steps * 1e3
             r["tokens_per_s"], r["x_eager"] = 1e3 / r["step_ms"], eager_ms / r["step_ms"]
             r["same_tokens_fp32"] = _same(tokens[k], tokens["eager fp32"])
             if k == "eager fp32":
