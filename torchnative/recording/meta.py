@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from torchnative.lru import Lru
-from torchnative.shim.door import no_dispatch_modes
+from torchnative.shim.door import LazyTensor, no_dispatch_modes
 
 Meta = tuple  # (shape, stride, storage_offset, dtype)
 
@@ -26,8 +26,21 @@ class Unrecordable(Exception):
     """The op cannot be recorded with these arguments; the message says why."""
 
 
+_offset = torch._C.TensorBase.storage_offset  # a pending tensor's own, not LazyTensor.storage_offset's
+
+
 def meta_of(t: torch.Tensor) -> Meta:
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    return (tuple(t.shape), tuple(t.stride()), _offset(t), t.dtype)
+
+
+def recorded_meta(t: torch.Tensor) -> Meta:
+    """`t`'s metadata as a graph records it: a pending value's own; a real tensor (a graph input)
+    at offset 0, where it sits in its storage left out (Recorder.new_input)."""
+    if type(t) is LazyTensor:
+        if t._slot >= 0:
+            return meta_of(t)
+        t = t._value
+    return (tuple(t.shape), tuple(t.stride()), 0, t.dtype)
 
 
 def meta_tensor(m: Meta) -> torch.Tensor:
@@ -40,7 +53,7 @@ def meta_tensor(m: Meta) -> torch.Tensor:
 
 def _key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("T",) + meta_of(x)
+        return ("T",) + recorded_meta(x)
     if type(x) in (list, tuple):
         return tuple(_key(v) for v in x)
     if type(x) is dict:
@@ -58,7 +71,7 @@ def _to_meta(x: Any) -> Any:
             raise Unrecordable(f"tensor on {x.device}: capture records CPU tensors only")
         if x.layout != torch.strided:
             raise Unrecordable(f"{x.layout} tensors are not recorded")
-        return meta_tensor(meta_of(x))
+        return meta_tensor(recorded_meta(x))
     if type(x) in (list, tuple):
         return type(x)(_to_meta(v) for v in x)
     if isinstance(x, torch.device):

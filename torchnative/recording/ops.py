@@ -36,6 +36,9 @@ class OpClass:
     decomposition: Callable | None = None
     functional: torch._ops.OpOverload | None = None
     reason: str = ""
+    # the position of a storage offset it takes (as_strided): an offset where a tensor sits in its
+    # storage, which recording leaves out of an argument's key (Recorder.new_input)
+    offset_at: int | None = None
 
 
 # Fused forwards whose backward is fused too: decomposing them below autograd gives the backward
@@ -195,6 +198,16 @@ def _functional_variant(op: torch._ops.OpOverload):
     return getattr(packet, op._overloadname, None)
 
 
+_TAKES_OFFSET = {aten.as_strided.default: 3, aten.as_strided_scatter.default: 4}
+
+
+def explicit_offset(c: OpClass, args: tuple, kwargs: dict) -> bool:
+    """Does this call of an op that takes a storage offset give one (not None: self's own)?"""
+    if len(args) > c.offset_at:
+        return args[c.offset_at] is not None
+    return kwargs.get("storage_offset") is not None
+
+
 _RESHAPES_INPLACE = frozenset({"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"})
 
 
@@ -242,6 +255,8 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         if op in DECOMPOSITIONS:
             return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS[op])
         return OpClass(Kind.CUT, reason=f"no functional form: {op} mutates an argument that is not self")
+    if op in _TAKES_OFFSET:
+        return OpClass(Kind.RECORD, is_view=op.is_view, offset_at=_TAKES_OFFSET[op])
     if torch.Tag.core in op.tags:
         return OpClass(Kind.RECORD, is_view=op.is_view)
     if op in DECOMPOSITIONS:

@@ -19,9 +19,9 @@ from torchnative.shim.door import no_dispatch_modes
 from torchnative import events
 from torchnative.grad import copy_back
 from torchnative.recording import scalars, trie, views
-from torchnative.recording.meta import Unrecordable, infer, meta_of
+from torchnative.recording.meta import Unrecordable, infer, meta_of, recorded_meta
 from torchnative.recording.source import user_frame
-from torchnative.recording.ops import _CLASSES, Kind, classify
+from torchnative.recording.ops import _CLASSES, Kind, classify, explicit_offset
 from torchnative.recording.trie import INPUT, REFS, ROOT, Recorded, TrieNode, Ref, Signature, build_graph
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
@@ -63,10 +63,23 @@ def _pending(shape, stride, offset: int, dtype: torch.dtype) -> LazyTensor:
     return t
 
 
-def _set_meta(dst: LazyTensor, like: torch.Tensor) -> None:
-    """Give the wrapper `dst` the shape/stride of `like`, keeping its Python identity."""
+def _set_meta(dst: LazyTensor, like: LazyTensor) -> None:
+    """Give the wrapper `dst` the shape/stride of the pending `like`, keeping its Python identity."""
     with torch.no_grad():  # torch's own setter: shim/data.py's, installed while capturing, materializes
-        _DATA.__set__(dst, _pending(like.shape, like.stride(), like.storage_offset(), like.dtype))
+        _DATA.__set__(dst, _pending(*meta_of(like)))
+
+
+def _sits_moved(x: Any) -> bool:
+    """Is `x` a real tensor not at its storage's start, or a pending view of one: a graph input
+    recorded as if at offset 0 (Recorder.new_input)?"""
+    if type(x) is LazyTensor:
+        if x._slot >= 0:
+            x = x._vbase
+            if x is None or type(x) is LazyTensor and x._slot >= 0:
+                return False  # a pending value of its own: at its storage's start in eager too
+        if type(x) is LazyTensor:
+            x = x._value
+    return isinstance(x, torch.Tensor) and x.storage_offset() != 0
 
 
 class Recorder:
@@ -98,6 +111,10 @@ class Recorder:
         c = _CLASSES.get(id(op)) or classify(op)
         k = c.kind
         if k is _RECORD:
+            if c.offset_at is not None and explicit_offset(c, args, kwargs) and _sits_moved(args[0]):
+                # the graph has the argument at its storage's start: an offset Python counted
+                # from the real start (LazyTensor.storage_offset) means what it means in eager only
+                return self.cut(op, args, kwargs, f"{op} with a storage offset, of an argument that does not sit at its storage's start")
             return self.record(op, c.is_view, args, kwargs)
         if k is _DIRECT:
             return c.decomposition(self.call, *args, **kwargs)
@@ -170,16 +187,19 @@ class Recorder:
         return REFS[s]
 
     def new_input(self, x: torch.Tensor) -> int:
+        """An input slot for the real tensor `x`, keyed by what it is (shape, strides, dtype, role)
+        and not where it sits in its storage: a slice of a longer sequence at each call's offset is
+        one graph (the graph sees it at offset 0; ops that take an offset are cut, __call__)."""
         role = "param" if isinstance(x, torch.nn.Parameter) or id(x) in self.weights else "input"
         try:
-            key = (INPUT, x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, role)
+            key = (INPUT, x.shape, x.stride(), x.dtype, x.device, role)
         except RuntimeError as e:  # sparse and other layouts without strides
             raise Unrecordable(f"input with layout {x.layout}: {e}") from e
         node = self.node.children.get(key)
         if node is None:
             if x.device.type != "cpu" or x.layout != torch.strided:
                 raise Unrecordable(f"input on {x.device} with layout {x.layout}")
-            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (meta_of(x),), None, role=role)
+            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (recorded_meta(x),), None, role=role)
         self.node = node
         s = node.out_slots[0]
         self.inslot[id(x)] = s
@@ -248,7 +268,10 @@ class Recorder:
 
     def new_node(self, op, is_view: bool, args: tuple, kwargs: dict, key: tuple) -> TrieNode:
         metas, sequence = infer(op, args, kwargs)
-        node = TrieNode(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3))
+        c = classify(op)
+        absolute = c.offset_at is not None and explicit_offset(c, args, kwargs)
+        node = TrieNode(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3),
+                        absolute=absolute)
         self.node.children[key] = node
         return node
 

@@ -39,11 +39,11 @@ REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by TrieNode, so REFS[sl
 
 class TrieNode:
     __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
-                 "is_view", "role", "stack", "children", "next_slot", "n_ops", "answers")
+                 "is_view", "role", "stack", "children", "next_slot", "n_ops", "answers", "absolute")
 
     def __init__(self, parent: "TrieNode | None", op: Any, args: tuple, kwargs: tuple,
                  out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
-                 stack: tuple | None = None):
+                 stack: tuple | None = None, absolute: bool = False):
         self.parent = parent
         self.op = op
         self.args = args
@@ -62,6 +62,9 @@ class TrieNode:
         self.answers: dict | None = None  # data reads answered here without a cut (Recorder.read)
         # ops recorded on the path to here (inputs are not ops)
         self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
+        # an op on the path to here takes a storage offset (as_strided): the graph's result depends
+        # on where its inputs sit in their storages, which an input's key leaves out
+        self.absolute = absolute or (parent is not None and parent.absolute)
         global _nodes
         _nodes += 1
 
@@ -149,6 +152,11 @@ class Recorded:
     @property
     def n_ops(self) -> int:
         return self.node.n_ops
+
+    @property
+    def absolute(self) -> bool:
+        """Does an op of it take a storage offset (its result depends on where inputs sit)?"""
+        return self.node.absolute
 
 
 def flatten(node: TrieNode, sig: Signature) -> Flat:

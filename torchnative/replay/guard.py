@@ -169,7 +169,9 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
         if isinstance(x, torch.Tensor):
             if type(x) is not torch.Tensor:
                 return None
-            described.append((x.shape, x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad))
+            # where it sits in its storage is not described: a slice of a sequence at a new offset
+            # replays (a trace that depends on offsets checks them: replay/trace.run)
+            described.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
         elif type(x) in SCALARS:
             described.append((type(x), x))
         elif isinstance(x, torch.nn.Module):
@@ -185,10 +187,9 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
 
 
 def sizes_erased(key: tuple) -> tuple:
-    """A guard key with its argument tensors' sizes, strides and offsets left out (their rank,
-    dtype, device and grad kept): what calls at other sizes of the same structure share."""
-    described = tuple((len(d[0]),) + d[3:] if type(d) is tuple and len(d) == 6 and type(d[0]) is torch.Size else d
-                      for d in key[1])
+    """A guard key with its argument tensors' sizes and strides left out (their rank, dtype,
+    device and grad kept): what calls at other sizes of the same structure share."""
+    described = tuple((len(d[0]),) + d[2:] if _is_tensor(d) else d for d in key[1])
     return (key[0], described) + key[2:]
 
 
@@ -208,12 +209,17 @@ def erased(key: tuple) -> Flat:
             structure.append(shape_structure)
             for j, m in enumerate(metas):
                 meta_ints(m, structure, ints, where, (i, "input", j))
-        elif type(d) is tuple and len(d) == 6 and type(d[0]) is torch.Size:
-            structure.append(d[4:])
-            meta_ints(d[:4], structure, ints, where, (i, "input", 0))
+        elif _is_tensor(d):
+            structure.append(d[3:])
+            meta_ints((d[0], d[1], 0, d[2]), structure, ints, where, (i, "input", 0))
         else:
             structure.append(d)
     return Flat(structure, ints, where)
+
+
+def _is_tensor(d: Any) -> bool:
+    """Is this item of a guard key a tensor argument's description (guard_key)?"""
+    return type(d) is tuple and len(d) == 5 and type(d[0]) is torch.Size
 
 
 def _state_structure(state: Any, metas: list) -> Any:

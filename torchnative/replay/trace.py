@@ -103,6 +103,9 @@ class Trace:
     # values (replay/hooks.py), while the model's hooks are `hook_set`
     hooks: tuple = ()
     hook_set: tuple = ()
+    # ((i, offset), ...): where argument i sat in its storage, for a trace that depends on it (a view
+    # of an argument among its sources, or an op taking a storage offset); the guard key leaves it out
+    offsets: tuple = ()
     repaid: bool = field(default=False, compare=False)  # an eager program of it has repaid its compile: record again
 
     def held(self, snapshots: dict) -> "Trace":
@@ -135,7 +138,7 @@ class Trace:
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets
-                and hooks(self) == hooks(other) and self.hook_set == other.hook_set)
+                and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets)
 
 
 class Miss(NamedTuple):
@@ -154,6 +157,8 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
     how the programs of a call autograd records build their backward (build/differentiable.py);
     `hook_set`: the model's forward hooks now (replay/hooks.hooks_of)."""
     if trace.module_changes is not None and trace.module_changes != module_changes() or trace.hook_set != hook_set:
+        return Miss(None)
+    if trace.offsets and any(leaves[i].storage_offset() != at for i, at in trace.offsets):
         return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):

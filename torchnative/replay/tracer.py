@@ -77,6 +77,7 @@ class Tracer:
         if module_changes() != self.changes:
             raise Ineligible("the call set a module attribute or registered a parameter or buffer (a replay would skip it)")
         where: dict[int, tuple] = {}    # id(tensor) -> source
+        sits: list[int] = []            # arguments whose offsets a view source counts from their storage's start
         storages: dict[int, tuple] = {}  # storage address -> source of a tensor on that storage
 
         def known(x: torch.Tensor, src: tuple) -> None:
@@ -106,6 +107,8 @@ class Tracer:
                 return ("const", x)
             base = storages.get(x.untyped_storage().data_ptr()) if x.numel() else None
             if base is not None:  # a view Python took of a graph value (logits = mm(...).view(...))
+                if base[0] == "arg":
+                    sits.append(base[1])
                 return ("view", base, tuple(x.shape), x.stride(), x.storage_offset())
             if not x.dim() and x.device.type == "cpu":  # a Python number torch made a tensor (t[i] = n)
                 return ("lit", x)
@@ -148,8 +151,12 @@ class Tracer:
             if not is_plain(given_spec) or not all(isinstance(x, torch.Tensor) or type(x) in SCALARS for x in given):
                 raise Ineligible(f"a forward hook is given an object a replay cannot rebuild ({given_spec.type.__name__})")
             hooks.append((hook, module, tuple(source(getattr(x, "_value", x)) for x in given), given_spec))
-        return Trace(tuple(steps), tuple(source(o) for o in outputs), spec, module_changes(), sets, tuple(hooks),
-                     self.hook_set)
+        out_sources = tuple(source(o) for o in outputs)
+        if sits or any(r is not None and r.absolute for r in self.recorded):
+            offsets = tuple((i, x.storage_offset()) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        else:
+            offsets = ()
+        return Trace(tuple(steps), out_sources, spec, module_changes(), sets, tuple(hooks), self.hook_set, offsets)
 
 
 def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> list[tuple[tuple[int, int], torch.Tensor]]:

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack, _pop_mode, _
 
 Handler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
 
+_offset = torch._C.TensorBase.storage_offset  # the wrapper's own (LazyTensor.storage_offset says eager's)
 _local = threading.local()
 
 
@@ -107,6 +108,17 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _aten_dispatch(func, args, kwargs or {})
+
+    def storage_offset(self) -> int:
+        """Where eager's tensor would sit in its storage. A graph records an argument as if at
+        its storage's start (recording.recorder.Recorder.new_input), so a pending view of one
+        carries its offset from the argument's start."""
+        if self._slot < 0:
+            return _offset(self._value) if self._value is not None else _offset(self)
+        base = self._vbase
+        if type(base) is LazyTensor:
+            base = base._value if base._slot < 0 else None
+        return _offset(self) + (_offset(base) if base is not None else 0)
 
     # -- sync points that do not pass the dispatcher --------------------------------------------
     def materialize(self, reason: str) -> torch.Tensor:
