@@ -4,9 +4,13 @@ once ready, and a weight written while it compiled is never served stale."""
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import subprocess
 import sys
 import threading
+
+import pytest
 
 import torch
 
@@ -14,6 +18,7 @@ import torchnative
 from torchnative import sizes, threads
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
+from torchnative.build import apart
 from torchnative.cache import program_cache
 from torchnative.cache.program_cache import background, clear_caches, programs
 
@@ -260,3 +265,65 @@ def test_model_code_beside_an_export_is_not_told_it_is_exporting():
         release.set()
     job.result(60)
     assert seen == {"compile thread": True, "user thread": False}, seen
+
+
+def _compile_spy(monkeypatch, tmp_path, then=None):
+    """ONNX Runtime's compile, writing the pid of the process it runs in to a file first (a child
+    process's memory is not this one's); `then(pid)` runs after, inside the compile."""
+    from torchnative.delegates import REGISTRY
+    ort, compile_ = REGISTRY["ort"], type(REGISTRY["ort"]).compile
+    seen = tmp_path / "pids"
+
+    def spied(self, graph):
+        with open(seen, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if then is not None:
+            then()
+        return compile_(self, graph)
+    monkeypatch.setattr(type(ort), "compile", spied)
+    return lambda: [int(p) for p in seen.read_text().split()] if seen.exists() else []
+
+
+def _background_run(model, n=6):
+    eager = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], background=True, compile_after=2)
+    clear_caches()
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    with torch.no_grad():
+        for x in xs:
+            assert_same(model(x), eager(x), **ORT)
+            torchnative.wait_for_compiles()
+
+
+def test_a_background_compile_runs_in_a_child_process(monkeypatch, tmp_path):
+    pids = _compile_spy(monkeypatch, tmp_path)
+    torchnative.reset_stats()
+    _background_run(_mlp())
+    assert pids() and os.getpid() not in pids(), pids()
+    assert _compiled(programs()) and torchnative.stats()["replays"] >= 1
+
+
+def test_compiles_in_the_call_and_with_the_child_process_off_run_here(monkeypatch, tmp_path):
+    pids = _compile_spy(monkeypatch, tmp_path)
+    model, eager = _mlp(), _mlp()
+    torchnative.accelerate(model, delegates=["ort"], background=False, compile_after=1)
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        assert_same(model(x), eager(x), **ORT)
+    monkeypatch.setattr(apart, "ENABLED", False)
+    _background_run(_mlp())
+    assert pids() and set(pids()) == {os.getpid()}, pids()
+
+
+@pytest.mark.parametrize("how", ["raises", "crashes"])
+def test_a_compile_that_fails_in_the_child_leaves_the_partition_on_eager(monkeypatch, tmp_path, how):
+    def fail():
+        if how == "raises":
+            raise ValueError("no translation for this op")
+        os.kill(os.getpid(), signal.SIGKILL)  # a converter's native abort
+    _compile_spy(monkeypatch, tmp_path, then=fail)
+    torchnative.reset_stats()
+    _background_run(_mlp())  # outputs eager's in every call
+    reasons = " ".join(torchnative.stats()["fallbacks"])
+    assert not _compiled(programs())
+    assert ("ValueError: no translation for this op" if how == "raises" else "killed by SIGKILL") in reasons, reasons

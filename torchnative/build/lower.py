@@ -17,7 +17,7 @@ from torchnative.interface import Artifact, Delegate
 from torchnative.ir import CapturedGraph
 from torchnative.partitioner import EAGER, Plan, Subgraph, extract, partition, written_back
 from torchnative.passes.fuse import fuse
-from torchnative.build import disk_cache
+from torchnative.build import apart, disk_cache
 from torchnative.quiet import quiet
 
 
@@ -82,7 +82,11 @@ def artifact_of(delegate: Delegate, graph: CapturedGraph, cached: bool = True) -
     if artifact is not None:
         return artifact, entry, True
     with quiet():  # the toolchain's notes; the user's, from other threads meanwhile, pass
-        artifact = delegate.compile(fuse(graph, delegate.composites))
+        def compile_() -> Artifact:
+            return delegate.compile(fuse(graph, delegate.composites))
+        artifact = apart.compiled(compile_, graph.constants) if apart.wanted() else None
+        if artifact is None:
+            artifact = compile_()
     if entry:
         disk_cache.put(entry, artifact)
     return artifact, entry, False

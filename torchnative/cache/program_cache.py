@@ -21,6 +21,7 @@ import torch
 from torchnative import events, threads
 from torchnative.recording import reset as forget_recordings
 from torchnative.recording.trie import Recorded
+from torchnative.build import apart
 from torchnative.delegates.base import fresh_dispatch_state
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Delegate
@@ -80,8 +81,13 @@ LIMIT = 256
 # meanwhile. torch.export keeps some state per process (its pre-dispatch modes: shim.door's
 # no_dispatch_modes keeps the door off it).
 BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") == "1"
+def _background_thread() -> None:
+    fresh_dispatch_state()
+    apart.mark()  # its delegate compiles run in a child process (build/apart.py says why)
+
+
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background",
-                                 initializer=fresh_dispatch_state)
+                                 initializer=_background_thread)
 # at exit, compiles not started are dropped (the one running finishes: a thread cannot be stopped).
 # threading's exit hooks run in reverse order, so this one runs before the executor's own joins.
 threading._register_atexit(lambda: _background.shutdown(wait=False, cancel_futures=True))
