@@ -3,8 +3,10 @@ torch.compile, on transformers models from small configs and on BERT-base.
 
     python benchmarks/capture_overhead.py [--models gpt2,llama,bert,bert-base] [--runs 30] [--no-compile]
 
-Engines are interleaved round by round with idle gaps (benchmarks/common.py). Writes
-benchmarks/results/capture_overhead.json.
+cold_us_per_op: the first call; warm_us_per_op: accelerate's steady calls (replays); recording_us_per_op:
+calls recorded through a warm trie (replay off, nothing compiled), each op through the door — all
+per recorded op, above eager. Engines are interleaved round by round with idle gaps
+(benchmarks/common.py). Writes benchmarks/results/capture_overhead.json.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ def bench(name: str, runs: int, with_compile: bool) -> dict:
     eager = lambda: model(**inputs)  # noqa: E731
     accel_model = torchnative.accelerate(models.build(arch, size))
     accel = lambda: accel_model(**inputs)  # noqa: E731
+    # every call recorded through the warm trie (no replay, never compiled): the door's own cost
+    recording_model = torchnative.accelerate(models.build(arch, size), replay=False, compile_after=10 ** 9)
+    recording = lambda: recording_model(**inputs)  # noqa: E731
 
     def passthrough():
         with PassThrough():
@@ -64,7 +69,7 @@ def bench(name: str, runs: int, with_compile: bool) -> dict:
         row["ops_recorded"] = ops
         row["graphs"] = torchnative.stats()["graph_runs"]
         row["cold_us_per_op"] = (row["accel_cold_ms"] / 1e3 - t_eager_first) / ops * 1e6
-        engines = {"eager": eager, "accelerate": accel, "passthrough_mode": passthrough}
+        engines = {"eager": eager, "accelerate": accel, "recording": recording, "passthrough_mode": passthrough}
         if with_compile:
             compiled = torch.compile(model)
             row["compile_first_call_s"] = elapsed(lambda: compiled(**inputs))
@@ -72,6 +77,7 @@ def bench(name: str, runs: int, with_compile: bool) -> dict:
         med = interleave(engines, runs, INNER)
     row.update({f"{k}_ms": v * 1e3 for k, v in med.items()})
     row["warm_us_per_op"] = (med["accelerate"] - med["eager"]) / ops * 1e6
+    row["recording_us_per_op"] = (med["recording"] - med["eager"]) / ops * 1e6
     row["passthrough_us_per_op"] = (med["passthrough_mode"] - med["eager"]) / ops * 1e6
     row["accel_vs_eager"] = med["eager"] / med["accelerate"]
     if "torch.compile" in med:
@@ -91,7 +97,7 @@ def main() -> None:
         print(f"  done {name}", flush=True)
     cols = [("model", "{}"), ("ops_recorded", "{}"), ("graphs", "{}"), ("eager_ms", "{:.2f}"),
             ("accelerate_ms", "{:.2f}"), ("accel_vs_eager", "{:.2f}x"), ("torch.compile_ms", "{:.2f}"),
-            ("compile_vs_eager", "{:.2f}x"), ("cold_us_per_op", "{:.0f}"), ("warm_us_per_op", "{:.1f}"),
+            ("compile_vs_eager", "{:.2f}x"), ("cold_us_per_op", "{:.0f}"), ("warm_us_per_op", "{:.1f}"), ("recording_us_per_op", "{:.1f}"),
             ("passthrough_us_per_op", "{:.1f}")]
     print(table(rows, cols))
     print(f"wrote {write('capture_overhead', {'torch': torch.__version__, 'rows': rows})}")
