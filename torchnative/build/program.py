@@ -113,6 +113,9 @@ class Program:
         program per bucket, sizes.bucket), which `valid_for` checks."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
         self.verify_s = 0.0  # seconds the build spent checking its partitions against eager
+        # a program of one size that a template's program now runs too: never valid again, so the
+        # traces that hold it record and take that one, and its runtime's weights are let go
+        self.retired = False
         self._differentiable = None  # build/differentiable.py's form, made at the first replay autograd records
         self.make_differentiable: Callable | None = None  # how to make it (set by the pipeline)
         self.ranges = ranges or {}
@@ -153,7 +156,9 @@ class Program:
 
     def valid_for(self, inputs: list[torch.Tensor]) -> bool:
         """Baked params must be the same tensors, unchanged since they were baked; sizes within
-        the program's bounds."""
+        the program's bounds; not retired (ProgramCache._retire_covered)."""
+        if self.retired:
+            return False
         for i, ref, state in self.baked:
             if inputs[i] is not ref() or baked_state(inputs[i]) != state:
                 return False

@@ -374,6 +374,21 @@ class ProgramCache:
         with self.lock:
             self.compiled_runs[run_key] = True
 
+    def _retire_covered(self, key: tuple) -> None:
+        """The programs of single sizes this template's program runs too, for the same delegates:
+        retired and dropped. Each held its own copy of the weights in its runtime (an ONNX Runtime
+        session prepacks its matmuls' weights: ~a model's size per program)."""
+        template, rest = key[0], key[1:]
+        if rest[1] == (eager,):  # eager's programs hold no copy: replays of them go on
+            return
+        skeletons = {self.templates.skeleton(g) for g in template.fitted}
+        covered = [k for k in self.programs if k[1:] == rest and isinstance(k[0], Recorded)
+                   and self.templates.skeleton(k[0]) in skeletons and template.sizes.match(k[0].flat()) is not None]
+        for k in covered:
+            for p in self.programs.pop(k):
+                p.retired = True
+            events.STATS.evicted["programs a template's runs"] += 1
+
     def superseded(self, run_key: tuple) -> bool:
         """Has the program its eager runs counted towards (the cost rule's `run_key`) been built?"""
         return run_key in self.compiled_runs
@@ -383,6 +398,7 @@ class ProgramCache:
         program's delegates took; what its compile took per op, for the next estimate."""
         if isinstance(key[0], Template):
             key[0].narrow(p.ranges)
+            self._retire_covered(key)
         self.programs.setdefault(key, []).append(p)
         events.STATS.graphs_built += 1
         # its weights' next program (a new model of the same graphs) repays its own compile

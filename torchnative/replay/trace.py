@@ -83,7 +83,7 @@ class GraphCall:
         if self._baked is None:
             return self.program.valid_for(inputs)
         tensors, states = self._baked
-        return list(map(baked_state, tensors)) == states
+        return list(map(baked_state, tensors)) == states and not self.program.retired
 
     def roots(self, leaves: list, produced: list, snapshots: dict) -> list:
         """The real tensors this step's trailing values are copied into."""
