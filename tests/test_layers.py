@@ -115,6 +115,7 @@ ALLOWED_TABLES = {
     "torchnative.build.verify._warned": "one entry per delegate",
     "torchnative.quiet._attached": "the log handlers a quiet() block filters, emptied when the last one ends",
     "torchnative.replay.watch._hooks": "two hook handles while any module is watched",
+    "torchnative.build.apart._children": "the compile processes running: one per background thread, removed when it ends",
 }
 _MAKERS = {"dict", "list", "set", "Counter", "defaultdict", "OrderedDict", "deque", "WeakValueDictionary",
            "WeakKeyDictionary"}
