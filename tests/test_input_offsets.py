@@ -122,8 +122,10 @@ def test_writes_into_an_argument_land_where_eager_writes(delegates):
     torchnative.accelerate(accel, delegates=delegates, compile_after=1, background=False)
     mine, theirs = torch.randn(3, 8 * 4), None
     theirs = mine.clone()
+    # a write's offset is part of its graph (the scatter into the whole tensor): on ort a compile each
+    offsets = [0, 4, 8, 4, 12, 16, 12, 28, 0] if delegates == ["eager"] else [0, 4, 0, 4]
     with torch.no_grad():
-        for i in [0, 4, 8, 4, 12, 16, 12, 28, 0]:
+        for i in offsets:
             assert_same(accel(mine[:, i:i + 4]), eager(theirs[:, i:i + 4]), rtol=1e-5, atol=1e-6)
             assert_same(mine, theirs, rtol=1e-5, atol=1e-6)
 
