@@ -100,6 +100,11 @@ AROUND: list[Callable] = []
 
 
 class Program:
+    # a program of one size that a template's program now runs too (ProgramCache._retire_covered):
+    # never valid again, so the traces that hold it record and take that one, and its runtime's
+    # weights are let go
+    retired = False
+
     def __init__(self, captured: CapturedGraph, graph: CapturedGraph, steps: list[Step], extra: list[torch.Tensor],
                  baked: list[int], inputs: list[torch.Tensor], declined: tuple = (), ranges: dict | None = None,
                  bounds: dict | None = None):
@@ -113,9 +118,6 @@ class Program:
         program per bucket, sizes.bucket), which `valid_for` checks."""
         self.captured, self.graph, self.steps, self.extra, self.declined = captured, graph, steps, extra, declined
         self.verify_s = 0.0  # seconds the build spent checking its partitions against eager
-        # a program of one size that a template's program now runs too: never valid again, so the
-        # traces that hold it record and take that one, and its runtime's weights are let go
-        self.retired = False
         self._differentiable = None  # build/differentiable.py's form, made at the first replay autograd records
         self.make_differentiable: Callable | None = None  # how to make it (set by the pipeline)
         self.ranges = ranges or {}
