@@ -103,6 +103,7 @@ def _eager(tmp_path: Path, factory: str = "small_cnn"):
         return model(**inputs), inputs
 
 
+@pytest.mark.slow  # 40-50 s (a worker killed, its cell rebuilt); a failing cell on Ray stays in the default suite
 def test_a_matrix_on_ray_builds_shares_its_cache_and_survives_a_dead_worker(local_ray, bucket, tmp_path):  # noqa: F811
     url, fs = bucket
     path = _matrix(tmp_path, url, ["nets.py:small_cnn", "nets.py:dies_once"], ["ort", "xnnpack", "qnn"], ["float", "int8"])
