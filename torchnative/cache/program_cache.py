@@ -81,6 +81,8 @@ LIMIT = 256
 # meanwhile. torch.export keeps some state per process (its pre-dispatch modes: shim.door's
 # no_dispatch_modes keeps the door off it).
 BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") == "1"
+
+
 def _background_thread() -> None:
     fresh_dispatch_state()
     apart.mark()  # its delegate compiles run in a child process (build/apart.py says why)
@@ -377,7 +379,8 @@ class ProgramCache:
     def _retire_covered(self, key: tuple) -> None:
         """The programs of single sizes this template's program runs too, for the same delegates:
         retired and dropped. Each held its own copy of the weights in its runtime (an ONNX Runtime
-        session prepacks its matmuls' weights: ~a model's size per program)."""
+        session copies the initializers it is given, prepacked or not: measured, a model's size
+        per program)."""
         template, rest = key[0], key[1:]
         if rest[1] == (eager,):  # eager's programs hold no copy: replays of them go on
             return
