@@ -36,6 +36,7 @@ _RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _
     Kind.READ, Kind.ASIDE)
 _CUTS = (Kind.CUT, Kind.READ)
 _NO_ANSWER = object()
+_VALUE = object()  # WeightRead.plain: an argument computed by its graph
 _PLAIN = (int, float, bool, type(None))
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -82,6 +83,25 @@ def _sits_moved(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.storage_offset() != 0
 
 
+class WeightRead:
+    """A data read of values computed from weights alone, as recorded on one path: called with
+    those weights' tensors (in their graph inputs' order), the Python value it reads."""
+
+    __slots__ = ("op", "gm", "at", "n_inputs", "plain")
+
+    def __init__(self, op, gm: torch.fx.GraphModule, at: tuple[int, ...], n_inputs: int, plain: tuple) -> None:
+        self.op, self.gm, self.n_inputs, self.plain = op, gm, n_inputs, plain
+        self.at = at  # the graph inputs (weights) the values are computed from
+
+    def __call__(self, weights: list) -> Any:
+        inputs: list = [None] * self.n_inputs
+        for i, w in zip(self.at, weights):
+            inputs[i] = w
+        with no_dispatch_modes(), torch.no_grad():
+            values = iter(self.gm(*inputs))
+            return self.op(*[next(values) if a is _VALUE else a for a in self.plain])
+
+
 class Recorder:
     def __init__(self, execute: Execute, mode: DoorMode, weights: frozenset[int] = frozenset(),
                  sites: scalars.FloatSites | None = scalars.PROCESS):
@@ -93,6 +113,7 @@ class Recorder:
         # same layer code) would otherwise look like one site whose floats changed
         self.sites = sites
         self.observe: Callable[[Any, tuple, Any], None] | None = None  # told of every op run eagerly
+        self.check: Callable[[WeightRead, list, Any], None] | None = None  # told of every weight read (read)
         self._reset()
 
     def _reset(self) -> None:
@@ -377,7 +398,10 @@ class Recorder:
         """A Python value from pending data. Data computed from no graph input (positions from an
         arange, a mask from shapes) is a function of the recorded path alone, so its value is the
         same on every call that records this path: it is computed apart, once per path, and the
-        graph goes on. Anything else cuts the graph here."""
+        graph goes on. Data computed from weights alone (`not torch.isnan(self.bias).any()` in
+        every step of a scan) is computed apart from their current values on every call, and the
+        graph goes on too; whoever watches (`check`: a replay's tracer) is told, to compute it
+        again. Anything else cuts the graph here."""
         epoch = self.epoch
 
         def current(a: Any) -> bool:  # a pending value, not a stale view: no op to record for it
@@ -392,18 +416,30 @@ class Recorder:
         answer = answers.get(key)
         if answer is None:
             answer = answers[key] = self.answer(op, args)
-        return self.cut(op, args, kwargs, reason) if answer is _NO_ANSWER else answer
+        if answer is _NO_ANSWER:
+            return self.cut(op, args, kwargs, reason)
+        if type(answer) is WeightRead:
+            weights = [self.inputs[i] for i in answer.at]
+            value = answer(weights)
+            if self.check is not None:
+                self.check(answer, weights, value)
+            return value
+        return answer
 
     def answer(self, op, args: tuple) -> Any:
-        """`op` run on the values of its pending arguments when no graph input reaches them, else
-        _NO_ANSWER."""
+        """`op` run on the values of its pending arguments when no graph input reaches them; a
+        `WeightRead` when weights alone reach them; else _NO_ANSWER."""
         tensors = [a for a in args if type(a) is LazyTensor]
-        graph = build_graph(self.node, Signature(tuple(t._slot for t in tensors), ()))
-        if any(p.users for p in graph.gm.graph.find_nodes(op="placeholder")):
-            return _NO_ANSWER
-        with no_dispatch_modes(), torch.no_grad():
-            values = iter(graph.gm(*[None] * len(graph.input_roles)))
-            return op(*[next(values) if type(a) is LazyTensor else a for a in args])
+        graph = build_graph(self.node, Signature(tuple(t._slot for t in tensors), ()), pruned=True)
+        used = [i for i, p in enumerate(graph.gm.graph.find_nodes(op="placeholder")) if p.users]
+        if not used:
+            with no_dispatch_modes(), torch.no_grad():
+                values = iter(graph.gm(*[None] * len(graph.input_roles)))
+                return op(*[next(values) if type(a) is LazyTensor else a for a in args])
+        if all(graph.input_roles[i] == "param" and isinstance(self.inputs[i], torch.Tensor) for i in used):
+            return WeightRead(op, graph.gm, tuple(used), len(graph.input_roles),
+                              tuple(_VALUE if type(a) is LazyTensor else a for a in args))
+        return _NO_ANSWER
 
     def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
         self.flush(reason, op)

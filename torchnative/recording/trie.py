@@ -198,15 +198,41 @@ def flatten(node: TrieNode, sig: Signature) -> Flat:
     return Flat(structure, ints, where)
 
 
-def build_graph(node: TrieNode, sig: Signature, made: list | None = None) -> CapturedGraph:
+def _refs(x: Any, into: set) -> None:
+    if type(x) is Ref:
+        into.add(x.slot)
+    elif type(x) is tuple:
+        for v in x:
+            _refs(v, into)
+
+
+def _needed(path: list[TrieNode], sig: Signature) -> set[int]:
+    """The ids of the op nodes of `path` that the signature's values are computed from."""
+    slots = set(sig.outputs) | {s for _, s in sig.state}
+    needed = set()
+    for n in reversed(path):
+        if n.op != INPUT and slots.intersection(n.out_slots):
+            needed.add(id(n))
+            _refs(n.args, slots)
+            for _, v in n.kwargs:
+                _refs(v, slots)
+    return needed
+
+
+def build_graph(node: TrieNode, sig: Signature, made: list | None = None, pruned: bool = False) -> CapturedGraph:
     """The CapturedGraph (Core ATen fx.GraphModule + roles) for the path ending at `node`.
-    `made` gets, per path index, the fx node made for it and the nodes of its outputs."""
+    `made` gets, per path index, the fx node made for it and the nodes of its outputs. `pruned`:
+    ops the signature does not need are left out before building (a read's few ops on a long path)."""
     g = fx.Graph()
     env: dict = {}
     roles: list[Role] = []
     state_inputs = {s for s, _ in sig.state}
     position: dict[int, int] = {}  # input slot -> placeholder index
-    for n in node.path():
+    path = node.path()
+    needed = _needed(path, sig) if pruned else None
+    for n in path:
+        if needed is not None and n.op != INPUT and id(n) not in needed:
+            continue
         if n.op == INPUT:
             slot = n.out_slots[0]
             p = g.placeholder(f"in_{slot}")

@@ -65,7 +65,7 @@ def session(delegates: Sequence[str] | None = None, weights: frozenset[int] = fr
         threads.check()
     recorder = Recorder(_executor(chosen, tracer, compile_after, quantize, background), mode, weights, sites)
     if tracer is not None:
-        recorder.observe = tracer.eager
+        recorder.observe, recorder.check = tracer.eager, tracer.checked
     previous = set_handler(recorder)
     try:
         with mode, recorded_data():

@@ -106,6 +106,9 @@ class Trace:
     # ((i, offset), ...): where argument i sat in its storage, for a trace that depends on it (a view
     # of an argument among its sources, or an op taking a storage offset); the guard key leaves it out
     offsets: tuple = ()
+    # ((read, weights, value), ...): data Python read of weights alone without a cut
+    # (recording.recorder.WeightRead), computed again before the programs run
+    checks: tuple = ()
     repaid: bool = field(default=False, compare=False)  # an eager program of it has repaid its compile: record again
 
     def held(self, snapshots: dict) -> "Trace":
@@ -135,10 +138,13 @@ class Trace:
 
         def hooks(t: Trace) -> list:
             return [(id(h), id(m), tuple(map(norm, sources)), spec) for h, m, sources, spec in t.hooks]
+        def checks(t: Trace) -> list:
+            return [(id(read), tuple(map(id, weights)), value) for read, weights, value in t.checks]
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets
-                and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets)
+                and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets
+                and checks(self) == checks(other))
 
 
 class Miss(NamedTuple):
@@ -160,6 +166,10 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
         return Miss(None)
     if trace.offsets and any(leaves[i].storage_offset() != at for i, at in trace.offsets):
         return Miss(None)
+    for read, weights, expected in trace.checks:
+        got = read(weights)
+        if type(got) is not type(expected) or got != expected:
+            return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
         if call.timed is not None and CACHE.superseded(call.timed):

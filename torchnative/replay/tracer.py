@@ -40,6 +40,7 @@ class Tracer:
         self.costs: list[tuple] = []      # (the cost rule's key, seconds) of those runs (replay/worth.py)
         self.compiling = False            # a graph ran on eager while its program compiles in the background
         self.reads: list[tuple] = []      # (tensor read, value)
+        self.checks: list[tuple] = []     # (WeightRead, weights, value, runs before it)
         self.why: str | None = None
         self.changes = module_changes()
         self.hooks = HookLog()  # the forward hooks the call ran (replay/hooks.py)
@@ -64,6 +65,11 @@ class Tracer:
             self.reads.append((t._value if hasattr(t, "_slot") else t, out))
         else:
             self.refuse(f"{op if op is not None else 'data read'} ran outside a graph")
+
+    def checked(self, read: Any, weights: list, value: Any) -> None:
+        """Python read `value` of data computed from `weights` alone, without a cut
+        (recording.recorder.WeightRead): a replay computes it again before its programs run."""
+        self.checks.append((read, tuple(weights), value, len(self.runs)))
 
     def refuse(self, why: str) -> None:
         if self.why is None:
@@ -141,6 +147,12 @@ class Tracer:
             for j, r in enumerate(roots, len(values)):
                 where[id(r)] = ("out", k, j)
                 rewritten.add(r.untyped_storage().data_ptr())
+        checks = []
+        for read, tensors, value, runs in self.checks:
+            # a replay computes the read before any program: from the weights as the call found them
+            if any(r is t for run in self.runs[:runs] for r in run[3] for t in tensors):
+                raise Ineligible("Python read data of weights an earlier graph of the call wrote")
+            checks.append((read, tensors, value))
         sets = tuple((at, source(t)) for at, t in _replaced(before, after))
         outputs, spec = pytree.tree_flatten(out)
         if not is_plain(spec):
@@ -156,7 +168,8 @@ class Tracer:
             offsets = tuple((i, x.storage_offset()) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         else:
             offsets = ()
-        return Trace(tuple(steps), out_sources, spec, module_changes(), sets, tuple(hooks), self.hook_set, offsets)
+        return Trace(tuple(steps), out_sources, spec, module_changes(), sets, tuple(hooks), self.hook_set, offsets,
+                     tuple(checks))
 
 
 def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> list[tuple[tuple[int, int], torch.Tensor]]:
