@@ -33,7 +33,9 @@ def fresh():
     CACHE.clear()
 
 
-def test_a_graph_too_small_to_repay_its_compile_runs_and_replays_on_eager(monkeypatch):
+def test_a_graph_too_small_to_repay_its_compile_replays_on_eager_or_runs_as_eager(monkeypatch):
+    """Its replay runs the recorded graph's ops on eager: where that is slower than the forward's
+    own (a tiny MLP), the calls run as eager (replay/worth.py), each stretch followed by a replay."""
     monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1.0)  # a compile estimated at seconds per op
     model, x = Mlp(8), torch.randn(2, 8)
     with torch.no_grad():
@@ -43,7 +45,8 @@ def test_a_graph_too_small_to_repay_its_compile_runs_and_replays_on_eager(monkey
             torch.testing.assert_close(model(x), expected)
     assert not _compiled()
     stats = torchnative.stats()
-    assert stats["not_compiled"]["cost"] >= 1 and stats["replays"] >= 20
+    assert stats["not_compiled"]["cost"] >= 1 and stats["replays"] >= 2, stats
+    assert stats["replays"] + stats["eager_calls"] >= 26, stats
 
 
 def test_the_reason_is_in_explain(monkeypatch):
@@ -154,13 +157,37 @@ def test_calls_that_cannot_replay_and_record_slower_than_eager_run_as_eager(dele
     assert any(why.startswith("ran as eager: recording it took") for why in profile.data["replay_ineligible"])
 
 
-def test_calls_that_replay_are_never_run_as_eager():
+def test_calls_that_replay_a_compiled_program_are_never_run_as_eager(monkeypatch):
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1e-6)
+    monkeypatch.setattr(program_cache, "_COMPILE_FLOOR", 1e-6)  # compiles at its first eager run
     model, x = Mlp(16), torch.randn(4, 16)
-    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None, background=False)
     with torch.no_grad():
+        for _ in range(30):  # the first calls, recorded slower than eager, may run as eager until it compiles
+            model(x)
+        assert _compiled()
+        before = torchnative.stats()
         for _ in range(20):
             model(x)
-    assert torchnative.stats()["eager_calls"] == 0 and torchnative.stats()["replays"] >= 15
+    after = torchnative.stats()
+    assert after["eager_calls"] == before["eager_calls"] and after["replays"] == before["replays"] + 20, after
+
+
+def test_calls_that_replay_eager_programs_slower_than_eager_run_as_eager(monkeypatch):
+    """A replay whose programs all run on eager (the cost rule did not compile them) runs the
+    recorded Core ATen graph through its GraphModule; slower than the forward's own ops, the calls
+    run as eager, with eager's results, and still count toward the cost rule."""
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1.0)  # never repays here
+    torch.manual_seed(0)
+    model, x = Mlp(16), torch.randn(4, 16)
+    with torch.no_grad():
+        expected = model(x)
+        torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+        for _ in range(40):
+            torch.testing.assert_close(model(x), expected)
+    stats = torchnative.stats()
+    assert not _compiled() and stats["replays"] >= 1 and stats["eager_calls"] >= 20, stats
+    assert sum(s for s, _ in CACHE.eager_seconds.values()) > 0
 
 
 def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays_still_happens(monkeypatch):
@@ -186,10 +213,11 @@ def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays
         torch.testing.assert_close(_step(model, x), _step(reference, x), rtol=1e-5, atol=1e-6)
 
 
-def test_calls_at_a_new_size_every_time_run_as_eager_once_recording_them_costs_more():
+def test_calls_at_a_new_size_every_time_run_as_eager_once_recording_them_costs_more(monkeypatch):
     """Traffic of another length every call (BERT at random lengths) records at each new size: the
     calls of one structure, whatever their sizes, are weighed together (sizes never seen recorded:
     replayed, they would not be weighed, tests/test_new_sizes.py)."""
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1.0)  # its compile never repays here
     torch.manual_seed(0)
     model = Decaying(16)
     reference = copy.deepcopy(model)

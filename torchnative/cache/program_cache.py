@@ -392,6 +392,12 @@ class ProgramCache:
                 p.retired = True
             events.STATS.evicted["programs a template's runs"] += 1
 
+    def repaid(self, run_key: tuple) -> bool:
+        """Have a graph's runs on eager repaid its compile (the call that runs it should record, to
+        compile it)? Calls run as eager count too (replay/worth.py), and a replay never sees them cross."""
+        found = self.eager_seconds.get(run_key)
+        return found is not None and found[0] >= found[1]
+
     def superseded(self, run_key: tuple) -> bool:
         """Has the program its eager runs counted towards (the cost rule's `run_key`) been built?"""
         return run_key in self.compiled_runs

@@ -25,6 +25,7 @@ from torchnative.replay.replayer import Replayer
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
 from torchnative.replay.watch import foreign_hook, module_changes, watch
+from torchnative.replay.trace import Trace
 from torchnative.replay.tracer import Tracer
 from torchnative.replay.worth import Worth
 from torchnative.shim import current_handler
@@ -80,7 +81,10 @@ class AcceleratedForward:
         # a call with no trace to replay may cost less on eager (replay/worth.py); not a quantized
         # model's: its outputs would be the float model's on some calls
         found = replayer.find(key) if key is not None else None
-        weighed = key is not None and s.compile_after is None and s.quantize is None and found is None
+        # so is a replay of programs that all run on eager: the recorded graph's ops, no fewer than
+        # the forward's own, run through its GraphModule
+        weighed = key is not None and s.compile_after is None and s.quantize is None and \
+            (found is None or _eager_only(found[0]))
         if weighed:
             structure, elements = sizes_erased(key), _elements(leaves)
             if self._worth.eager_next(structure):
@@ -92,6 +96,9 @@ class AcceleratedForward:
         if hooked is None and found is not None:
             replayed, out = replayer.replay(key, found, leaves, hook_set)
             if replayed:
+                if weighed:
+                    seconds, timed = time.perf_counter() - started, [c.timed for c in found[0].calls]
+                    self._worth.recorded(structure, seconds, elements, [(t, seconds / len(timed)) for t in timed], False)
                 return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer(hook_set)
@@ -130,6 +137,11 @@ class AcceleratedForward:
 
     def __deepcopy__(self, memo: dict) -> "AcceleratedForward":
         return AcceleratedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo), self.settings)
+
+
+def _eager_only(trace: Trace) -> bool:
+    """Do all of the trace's programs run on eager (until their compiles repay)?"""
+    return bool(trace.calls) and all(c.timed is not None for c in trace.calls)
 
 
 def _elements(leaves: list) -> int:

@@ -172,8 +172,8 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
             return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
-        if call.timed is not None and CACHE.superseded(call.timed):
-            return Miss(k)  # its delegates' program is built: the call records, to run it
+        if call.timed is not None and (CACHE.superseded(call.timed) or CACHE.repaid(call.timed)):
+            return Miss(k)  # its delegates' program is built, or its compile has repaid: the call records
         inputs = call.inputs(leaves, produced, snapshots)
         if not call.valid_for(inputs):
             return Miss(k)
