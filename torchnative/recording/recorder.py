@@ -431,15 +431,11 @@ class Recorder:
         `WeightRead` when weights alone reach them; else _NO_ANSWER."""
         tensors = [a for a in args if type(a) is LazyTensor]
         graph = build_graph(self.node, Signature(tuple(t._slot for t in tensors), ()), pruned=True)
-        used = [i for i, p in enumerate(graph.gm.graph.find_nodes(op="placeholder")) if p.users]
+        used = tuple(i for i, p in enumerate(graph.gm.graph.find_nodes(op="placeholder")) if p.users)
+        read = WeightRead(op, graph.gm, used, len(graph.input_roles), tuple(_VALUE if type(a) is LazyTensor else a for a in args))
         if not used:
-            with no_dispatch_modes(), torch.no_grad():
-                values = iter(graph.gm(*[None] * len(graph.input_roles)))
-                return op(*[next(values) if type(a) is LazyTensor else a for a in args])
-        if all(graph.input_roles[i] == "param" and isinstance(self.inputs[i], torch.Tensor) for i in used):
-            return WeightRead(op, graph.gm, tuple(used), len(graph.input_roles),
-                              tuple(_VALUE if type(a) is LazyTensor else a for a in args))
-        return _NO_ANSWER
+            return read([])  # a function of the path alone
+        return read if all(graph.input_roles[i] == "param" for i in used) else _NO_ANSWER
 
     def cut(self, op, args: tuple, kwargs: dict, reason: str) -> Any:
         self.flush(reason, op)
