@@ -15,7 +15,7 @@ call is weighed as one — with the cost rule on (`compile_after=None`) and no `
 the structure's second
 recorded call is timed (its first pays one-time work), the next one that has no trace to replay
 runs on eager and is timed, both as seconds per element of the argument tensors (the two calls may
-come at other sizes), each side judged by the least of its last _RECENT calls. While recording is the slower by more than _MARGIN, stretches of `gap` calls
+come at other sizes), each side judged by the least of its last _RECENT calls (eager's after two). While recording is the slower by more than _MARGIN, stretches of `gap` calls
 (4, doubling to 32) run on eager, each followed by one recorded call that looks again (a compile
 finished, the call became replayable); a stretch that began while a graph of the call compiled in
 the background ends when a background build finishes. An eager call counts toward the cost rule
@@ -34,6 +34,7 @@ from torchnative.lru import Lru
 _MARGIN = 1.1
 _FIRST_GAP, _MAX_GAP = 4, 32
 _RECENT = 3
+_EAGER_SAMPLES = 2
 _KEEP = 1024  # as the replayer's traces: keys hold no tensor
 
 
@@ -73,7 +74,9 @@ class Worth:
             return False
         if c.waits is not None and c.waits != compiles_finished():  # its program may be ready: look
             c.skip, c.waits = 0, None
-        return c.skip > 0 or (c.eager is None and c.recorded is not None)
+        # eager is timed twice before it is weighed: a module's first eager call may pay one-time
+        # work (seen: 7.7 ms for a 0.1 ms MLP), which would then decide for recording for good
+        return c.skip > 0 or (len(c.recent_eager) < _EAGER_SAMPLES and c.recorded is not None)
 
     def ran_eager(self, key: tuple, seconds: float, elements: int) -> None:
         c = self.keys[key]
