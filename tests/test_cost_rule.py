@@ -81,8 +81,12 @@ def test_a_graph_whose_eager_runs_repay_its_compile_compiles_and_a_replay_moves_
             if _compiled():
                 break
         assert _compiled(), CACHE.eager_seconds.values()
-        for _ in range(3):
+        # the calls after the compile record it twice, then replay it; a stretch of calls run as
+        # eager (replay/worth.py: recording was the slower) may come first
+        for _ in range(40):
             torch.testing.assert_close(model(x), expected, rtol=1e-4, atol=1e-5)
+            if torchnative.stats()["replays"] >= 2:
+                break
     assert torchnative.stats()["replays"] >= 2
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
