@@ -138,6 +138,7 @@ class Trace:
 
         def hooks(t: Trace) -> list:
             return [(id(h), id(m), tuple(map(norm, sources)), spec) for h, m, sources, spec in t.hooks]
+
         def checks(t: Trace) -> list:
             return [(id(read), tuple(map(id, weights)), value) for read, weights, value in t.checks]
         mine, theirs = shape(self), shape(other)

@@ -15,8 +15,9 @@ call is weighed as one — with the cost rule on (`compile_after=None`) and no `
 the structure's second
 recorded call is timed (its first pays one-time work), the next one that has no trace to replay
 runs on eager and is timed, both as seconds per element of the argument tensors (the two calls may
-come at other sizes), each side judged by the least of its last _RECENT calls (eager's after two). While recording is the slower by more than _MARGIN, stretches of `gap` calls
-(4, doubling to 32) run on eager, each followed by one recorded call that looks again (a compile
+come at other sizes), each side judged by the least of its last _RECENT calls (eager's once it
+has two). While recording is the slower by more than _MARGIN, stretches of `gap` calls (4,
+doubling to 32) run on eager, each followed by one recorded call that looks again (a compile
 finished, the call became replayable); a stretch that began while a graph of the call compiled in
 the background ends when a background build finishes. An eager call counts toward the cost rule
 as the recorded call's graphs would have run (`CACHE.ran`), so a compile that repays still
