@@ -33,22 +33,6 @@ def fresh():
     CACHE.clear()
 
 
-def test_a_graph_too_small_to_repay_its_compile_replays_on_eager_or_runs_as_eager(monkeypatch):
-    """Its replay runs the recorded graph's ops on eager: where that is slower than the forward's
-    own (a tiny MLP), the calls run as eager (replay/worth.py), each stretch followed by a replay."""
-    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1.0)  # a compile estimated at seconds per op
-    model, x = Mlp(8), torch.randn(2, 8)
-    with torch.no_grad():
-        expected = model(x)
-        torchnative.accelerate(model, delegates=["ort"], compile_after=None)
-        for _ in range(30):
-            torch.testing.assert_close(model(x), expected)
-    assert not _compiled()
-    stats = torchnative.stats()
-    assert stats["not_compiled"]["cost"] >= 1 and stats["replays"] >= 2, stats
-    assert stats["replays"] + stats["eager_calls"] >= 26, stats
-
-
 def test_the_reason_is_in_explain(monkeypatch):
     monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1.0)
     x = torch.randn(2, 8)
@@ -190,7 +174,8 @@ def test_calls_that_replay_eager_programs_slower_than_eager_run_as_eager(monkeyp
         for _ in range(40):
             torch.testing.assert_close(model(x), expected)
     stats = torchnative.stats()
-    assert not _compiled() and stats["replays"] >= 1 and stats["eager_calls"] >= 20, stats
+    assert not _compiled() and stats["not_compiled"]["cost"] >= 1, stats
+    assert stats["replays"] >= 1 and stats["eager_calls"] >= 20, stats
     assert sum(s for s, _ in CACHE.eager_seconds.values()) > 0
 
 
