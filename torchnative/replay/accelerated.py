@@ -21,7 +21,7 @@ from torchnative.cache import calibration as _calibration
 from torchnative.cache.program_cache import background, settle_threads
 from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects, sizes_erased
-from torchnative.replay.replayer import Replayer
+from torchnative.replay.replayer import Replayer, Entry
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
 from torchnative.replay.watch import foreign_hook, module_changes, watch
@@ -113,8 +113,8 @@ class AcceleratedForward:
             tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
         elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
-        replayer.learn(key, tracer, leaves, out, before)
-        if weighed:
+        learnt = replayer.learn(key, tracer, leaves, out, before)
+        if weighed and not _on_the_way_to_a_compiled_replay(learnt):
             self._worth.recorded(structure, time.perf_counter() - started, elements, tracer.costs, tracer.compiling)
         return out
 
@@ -142,6 +142,13 @@ class AcceleratedForward:
 def _eager_only(trace: Trace) -> bool:
     """Do all of the trace's programs run on eager (until their compiles repay)?"""
     return bool(trace.calls) and all(c.timed is not None for c in trace.calls)
+
+
+def _on_the_way_to_a_compiled_replay(entry: Entry | None) -> bool:
+    """Is this recorded call one of the two that make a trace of compiled programs replay? Those are
+    paid once; weighed against eager, they would start a stretch of eager calls that delays the
+    replays they lead to. A trace learnt more often than that does not replay, and is weighed."""
+    return entry is not None and not _eager_only(entry.trace) and entry.seen <= 2 and entry.run <= 2
 
 
 def _elements(leaves: list) -> int:

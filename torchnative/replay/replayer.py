@@ -27,7 +27,7 @@ from torchnative.replay.tracer import Tracer
 
 
 @dataclass
-class _Entry:
+class Entry:
     trace: Trace
     seen: int = 1  # consecutive calls with these guards that recorded this trace
     # consecutive calls (any guards) whose traces were the same as this one, up to its own: a
@@ -47,12 +47,12 @@ class Replayer:
         """`submit`: builds off the call (program_cache.background), for the backward of replays
         autograd records; `new_sizes`: calls at sizes never seen replay a span's trace."""
         self.weights, self.submit = weights, submit
-        self.entries = Lru(_KEEP, "traces")  # guard key -> _Entry
+        self.entries = Lru(_KEEP, "traces")  # guard key -> Entry
         self.spans = Spans(_KEEP) if new_sizes else None
         self._flat: tuple[tuple, Flat] | None = None  # the last key erased, and its Flat: a call that
         # finds no trace is learnt from once recorded, with the same key
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
-        self.last: _Entry | None = None  # the entry of the last call recorded
+        self.last: Entry | None = None  # the entry of the last call recorded
 
     def is_weight(self, x: torch.Tensor) -> bool:
         return isinstance(x, torch.nn.Parameter) or id(x) in self.weights
@@ -93,9 +93,9 @@ class Replayer:
                 self.spans.drop(self._erased(key), span)
         return True, out
 
-    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> None:
+    def learn(self, key: tuple, tracer: Tracer, leaves: list, out: Any, before: dict) -> Entry | None:
         """`before`: the argument objects' snapshots at the call's start (`self.snapshots` holds
-        those at its end)."""
+        those at its end). The entry the call's trace is in; None: it cannot replay."""
         try:
             trace = tracer.trace(leaves, self.is_weight, out, before, self.snapshots)
         except Ineligible as e:
@@ -103,14 +103,15 @@ class Replayer:
             events.emit(events.ReplayOutcome("ineligible", str(e)))
             self.entries.pop(key, None)
             self.last = None
-            return
+            return None
         run = self.last.run + 1 if self.last is not None and self.last.trace.same_as(trace) else 1
         entry = self.entries.get(key)
         if entry is not None and entry.trace.same_as(trace):
             entry.seen += 1
             entry.trace, entry.run = trace, max(entry.run, run)
         else:
-            entry = self.entries[key] = _Entry(trace, run=run)
+            entry = self.entries[key] = Entry(trace, run=run)
         self.last = entry
         if self.spans is not None:
             self.spans.learn(self._erased(key), trace)
+        return entry
