@@ -21,7 +21,9 @@ doubling to 32) run on eager, each followed by one recorded call that looks agai
 finished, the call became replayable); a stretch that began while a graph of the call compiled in
 the background ends when a background build finishes. An eager call counts toward the cost rule
 as the recorded call's graphs would have run (`CACHE.ran`), so a compile that repays still
-happens: the stretch ends, the next call records and compiles. Counted in `stats()["eager_calls"]`.
+happens: the stretch ends, the next call records and compiles. The two recorded calls that make a
+trace of compiled programs replay are not weighed (replay/accelerated.py): they would start a
+stretch that delays the replays. Counted in `stats()["eager_calls"]`.
 """
 from __future__ import annotations
 
