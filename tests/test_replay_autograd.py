@@ -166,3 +166,36 @@ def test_a_detach_inside_the_forward_stops_the_replays_gradient(delegate):
         for p, q in zip(eager.parameters(), accel.parameters()):
             assert_same(q.grad, p.grad, **_tol(delegate))
     assert torchnative.stats()["replays"] >= 3, torchnative.stats()
+
+
+class _TwoHeads(torch.nn.Module):
+    """ActMAD's pattern: the loss reads one output (features), never the other (logits)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.body(x).tanh()
+        return h, self.head(h)
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_a_weight_the_loss_does_not_reach_gets_no_gradient_as_in_eager(delegate):
+    """The head's weights get no gradient (None, as eager's), so an optimizer with weight decay
+    leaves them as they are; a zero gradient would decay them."""
+    eager = _TwoHeads()
+    accel = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate], compile_after=1, background=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1) for m in (eager, accel)]
+    torchnative.reset_stats()
+    for step in range(6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((eager, accel), opts):
+            features, _ = m(x)
+            features.square().mean().backward()
+            assert m.head.weight.grad is None and m.body.weight.grad is not None, step
+            opt.step()
+            opt.zero_grad()
+        assert_same(dict(accel.state_dict()), dict(eager.state_dict()), **_tol(delegate))
+    assert torchnative.stats()["replays"] >= 3, torchnative.stats()

@@ -85,6 +85,7 @@ class Differentiable:
         from torchnative.delegates.eager import delegate as eager
 
         gm = graph.gm
+        self._graph = gm
         self._made: list[_Built] = []
 
         def compile(g: fx.GraphModule, example_inputs: list) -> Callable:
@@ -97,6 +98,7 @@ class Differentiable:
             return tuple(gm(*inputs))
 
         self._run = aot_function(forward, fw_compiler=compile, bw_compiler=compile)
+        self._reach: list[frozenset[int]] = []  # per output: the inputs eager's backward reaches from it
         # the state the run's values are written into (BatchNorm's running statistics), which the
         # backward may keep (native_batch_norm_backward takes them): a copy, so the write after the
         # run leaves what it keeps as it was
@@ -113,6 +115,7 @@ class Differentiable:
         """Trace and build, forward and backward (AOTAutograd compiles the backward at its first
         run), by running once on `examples` (the values and gradients dropped)."""
         with torch.enable_grad():
+            self._reach = _reach(self._graph(*examples), examples)
             outs = [o for o in self._run(*examples) if isinstance(o, torch.Tensor) and o.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -141,7 +144,64 @@ class Differentiable:
             inputs = list(inputs)
             for i in self._state:
                 inputs[i] = inputs[i].clone()
-        return list(self._run(*inputs))
+        return list(_AsEager.apply(self._run, self._reach, *inputs))
+
+
+class _AsEager(torch.autograd.Function):
+    """AOTAutograd's function, with eager's gradients where no gradient reaches: its one autograd
+    node joins every input to every output, so an output the loss never reads (ActMAD's logits)
+    would send zeros to the weights only it depends on, where eager leaves their `.grad` None (an
+    optimizer with weight decay then moves them, and a weight baked into a program is found
+    written). The backward asks the inner function for the gradients of the outputs that got one,
+    and gives None to every input that eager's graph does not reach from those (`_reach`)."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, reach: list, *inputs: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with torch.enable_grad():
+            outs = run(*leaves)
+        ctx.inner, ctx.reach = (leaves, outs), reach
+        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
+        return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        leaves, outs = ctx.inner
+        given = [k for k, g in enumerate(grads) if g is not None and getattr(outs[k], "requires_grad", False)]
+        reached = frozenset().union(*[ctx.reach[k] for k in given])
+        wanted = [i for i in sorted(reached) if leaves[i].requires_grad]
+        result: list = [None] * len(leaves)
+        if given and wanted:
+            # retained: a backward with retain_graph runs this again; the inner graph lives as the node does
+            got = torch.autograd.grad([outs[k] for k in given], [leaves[i] for i in wanted], [grads[k] for k in given],
+                                      retain_graph=True, create_graph=torch.is_grad_enabled(), allow_unused=True)
+            for i, g in zip(wanted, got):
+                result[i] = g
+        return (None, None, *result)
+
+
+def _reach(outs: Sequence, inputs: Sequence) -> list[frozenset[int]]:
+    """Per output of a graph run eagerly on `inputs` (leaves), the inputs its autograd graph reaches."""
+    slot = {id(x): i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)}
+    reach = []
+    for o in outs:
+        found: set[int] = set()
+        if isinstance(o, torch.Tensor) and o.requires_grad:
+            stack, seen = [o.grad_fn], set()
+            if o.grad_fn is None and id(o) in slot:  # an input returned as it is
+                found.add(slot[id(o)])
+            while stack:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+                if variable is not None and id(variable) in slot:
+                    found.add(slot[id(variable)])
+                stack.extend(n for n, _ in node.next_functions)
+        reach.append(frozenset(found))
+    return reach
 
 
 def _done(fn: Callable, *args) -> Future:
