@@ -177,7 +177,7 @@ class _TwoHeads(torch.nn.Module):
         self.body, self.head = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
 
     def forward(self, x):
-        h = self.body(x).tanh()
+        h = self.body(x).tanh().sin()  # the backward keeps an intermediate (tanh's): a buffer AOTAutograd may donate
         return h, self.head(h)
 
 
@@ -199,3 +199,44 @@ def test_a_weight_the_loss_does_not_reach_gets_no_gradient_as_in_eager(delegate)
             opt.zero_grad()
         assert_same(dict(accel.state_dict()), dict(eager.state_dict()), **_tol(delegate))
     assert torchnative.stats()["replays"] >= 3, torchnative.stats()
+
+
+def test_a_replay_keeps_its_graph_for_retain_graph_and_frees_it_as_eager_does():
+    """Two backwards through one replayed call (the first with retain_graph) give eager's
+    gradients; a third fails as eager's does: the replay kept no graph past what eager keeps."""
+    eager = _TwoHeads()
+    accel = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"], compile_after=1, background=False)
+    torchnative.reset_stats()
+    for step in range(5):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for m in (eager, accel):
+            features, logits = m(x)
+            features.sum().backward(retain_graph=True)
+            (features.square().sum() + logits.sum()).backward()
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                logits.sum().backward()
+        assert_same([p.grad for p in accel.parameters()], [p.grad for p in eager.parameters()], rtol=0, atol=0)
+    assert torchnative.stats()["replays"] >= 3, torchnative.stats()
+
+
+def test_a_backward_whose_program_is_slower_than_its_graph_on_eager_runs_on_eager():
+    """The first runs of a built program alternate with its graph on eager, timed; a program slower
+    than eager (RT-DETR's backward: ONNX Runtime partitions between eager convolution_backward ops)
+    is dropped for eager, said in stats()' fallbacks, with the same values."""
+    import time
+
+    from torchnative.build import differentiable
+
+    gm = torch.fx.symbolic_trace(lambda x, w: ((x @ w).tanh(),))  # AOTAutograd's graphs return tuples
+
+    def slow(graph, delegates, examples):  # build_program's signature: a program 10 ms slower than eager
+        return lambda args: (time.sleep(0.01), list(graph.gm(*args)))[1]
+    built = differentiable._Built(gm, [], slow, "backward")
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    built([x, w])
+    built.build()
+    torchnative.reset_stats()
+    for _ in range(2 * differentiable._TRIALS + 2):
+        assert_same(built([x, w])[0], (x @ w).tanh(), rtol=0, atol=0)
+    assert built.slower
+    assert any("backward's program took" in why for why in torchnative.stats()["fallbacks"]), torchnative.stats()["fallbacks"]

@@ -15,6 +15,7 @@ another thread's export, and takes seconds. Until the form is ready the call is 
 from __future__ import annotations
 
 import copy
+import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
@@ -45,17 +46,34 @@ def _captured(gm: fx.GraphModule) -> tuple[CapturedGraph, list[int]]:
     return CapturedGraph(g, ["input"] * len(placeholders), ["output"] * (len(values) - len(nones))), nones
 
 
+# a backward compiled with donated buffers refuses retain_graph, which eager allows; the flag is
+# read where AOTAutograd compiles and again where its backward runs
+def _no_donated_buffers():
+    return torch._functorch.config.patch(donated_buffer=False)
+
+
+# runs of a built program and of its graph on eager, alternated, before the faster is kept
+_TRIALS = 3
+
+
 class _Built:
     """One of AOTAutograd's graphs (forward or backward) as a program for `delegates`. Its first
     run (the tracing run: it needs values) runs the graph as traced and keeps its inputs; `build`
     then builds the program on them, outside AOTAutograd's autograd.Function (an export inside
-    one meets its functionalization)."""
+    one meets its functionalization).
 
-    def __init__(self, gm: fx.GraphModule, delegates: Sequence[Delegate], build: Callable):
-        self.gm, self.delegates, self._build = gm, delegates, build
+    The built program is not always the faster: a backward whose convolution_backward ops run on
+    eager between ONNX Runtime partitions (RT-DETR's, 57 of them) took twice eager autograd's time.
+    Its first runs alternate between the program and the graph on eager, timed, and the faster is
+    kept (a slower program is a fallback in stats(), with both times)."""
+
+    def __init__(self, gm: fx.GraphModule, delegates: Sequence[Delegate], build: Callable, what: str):
+        self.gm, self.delegates, self._build, self.what = gm, delegates, build, what
         self.program: Callable | None = None
         self.examples: list | None = None
         self.nones: list[int] = []
+        self.times: tuple[list[float], list[float]] | None = None  # (program's, eager's) while on trial
+        self.slower = False  # the program, timed against the graph on eager: it runs on eager
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
@@ -64,15 +82,33 @@ class _Built:
             if self.examples is None:
                 self.examples = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
             return list(self.gm(*args))
+        if self.times is None:
+            return list(self.gm(*args)) if self.slower else self._run(args)
+        ours, eager = self.times
+        started, on_program = time.perf_counter(), len(ours) <= len(eager)
+        values = self._run(args) if on_program else list(self.gm(*args))
+        (ours if on_program else eager).append(time.perf_counter() - started)
+        if len(eager) == _TRIALS:
+            self._choose(min(ours), min(eager))
+        return values
+
+    def _run(self, args: list) -> list:
         values = self.program(args)
         for i in self.nones:
             values.insert(i, None)
         return values
 
+    def _choose(self, ours: float, eager: float) -> None:
+        self.times, self.slower = None, ours > eager
+        if self.slower:
+            events.fallback("replay", f"the {self.what}'s program took {ours * 1e3:.1f} ms, its graph on eager "
+                                      f"{eager * 1e3:.1f} ms: it runs on eager", "", len(self.gm.graph.nodes))
+
     def build(self) -> None:
         if self.program is None and self.examples is not None:
             graph, self.nones = _captured(self.gm)
             self.program, self.examples = self._build(graph, self.delegates, self.examples), None
+            self.times = ([], [])
 
 
 class Differentiable:
@@ -91,7 +127,7 @@ class Differentiable:
         def compile(g: fx.GraphModule, example_inputs: list) -> Callable:
             if all(d is eager for d in delegates):
                 return make_boxed_func(g.forward)
-            self._made.append(_Built(g, delegates, build))
+            self._made.append(_Built(g, delegates, build, "backward" if self._made else "forward"))
             return self._made[-1]
 
         def forward(*inputs: torch.Tensor) -> tuple:
@@ -114,7 +150,7 @@ class Differentiable:
     def _prepare(self, examples: list[torch.Tensor]) -> None:
         """Trace and build, forward and backward (AOTAutograd compiles the backward at its first
         run), by running once on `examples` (the values and gradients dropped)."""
-        with torch.enable_grad():
+        with torch.enable_grad(), _no_donated_buffers():
             self._reach = _reach(self._graph(*examples), examples)
             outs = [o for o in self._run(*examples) if isinstance(o, torch.Tensor) and o.requires_grad]
             if outs:
@@ -161,21 +197,29 @@ class _AsEager(torch.autograd.Function):
         leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
         with torch.enable_grad():
             outs = run(*leaves)
-        ctx.inner, ctx.reach = (leaves, outs), reach
+        # saved, not kept on ctx: autograd frees the inner graph after a backward without retain_graph
+        values = [*leaves, *outs]
+        ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
+        ctx.values, ctx.n, ctx.reach = [None if isinstance(v, torch.Tensor) else v for v in values], len(leaves), reach
         ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
-        leaves, outs = ctx.inner
+        tensors = iter(ctx.saved_tensors)
+        values = [next(tensors) if v is None else v for v in ctx.values]
+        leaves, outs = values[:ctx.n], values[ctx.n:]
         given = [k for k, g in enumerate(grads) if g is not None and getattr(outs[k], "requires_grad", False)]
         reached = frozenset().union(*[ctx.reach[k] for k in given])
         wanted = [i for i in sorted(reached) if leaves[i].requires_grad]
         result: list = [None] * len(leaves)
         if given and wanted:
-            # retained: a backward with retain_graph runs this again; the inner graph lives as the node does
-            got = torch.autograd.grad([outs[k] for k in given], [leaves[i] for i in wanted], [grads[k] for k in given],
-                                      retain_graph=True, create_graph=torch.is_grad_enabled(), allow_unused=True)
+            # the inner graph kept as the user's backward keeps the outer one (retain_graph)
+            with _no_donated_buffers():
+                got = torch.autograd.grad([outs[k] for k in given], [leaves[i] for i in wanted],
+                                          [grads[k] for k in given],
+                                          retain_graph=torch._C._autograd._get_current_graph_task_keep_graph(),
+                                          create_graph=torch.is_grad_enabled(), allow_unused=True)
             for i, g in zip(wanted, got):
                 result[i] = g
         return (None, None, *result)
