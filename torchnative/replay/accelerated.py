@@ -82,14 +82,14 @@ class AcceleratedForward:
         # model's: its outputs would be the float model's on some calls
         found = replayer.find(key) if key is not None else None
         # so is a replay of programs that all run on eager: the recorded graph's ops, no fewer than
-        # the forward's own, run through its GraphModule
+        # the forward's own, run through its GraphModule; and one autograd records, with its backward
         weighed = key is not None and s.compile_after is None and s.quantize is None and \
-            (found is None or _eager_only(found[0]))
+            (found is None or _eager_only(found[0]) or _differentiable(found[0]))
         if weighed:
             structure, elements = sizes_erased(key), _elements(leaves)
             if self._worth.eager_next(structure):
                 out = forward(*args, **kwargs)
-                self._worth.ran_eager(structure, time.perf_counter() - started, elements)
+                self._worth.ran_eager(structure, time.perf_counter() - started, elements, out)
                 return out
         named = self._submodules()
         hooked, hook_set = foreign_hook(named), hooks_of(named)
@@ -97,8 +97,10 @@ class AcceleratedForward:
             replayed, out = replayer.replay(key, found, leaves, hook_set)
             if replayed:
                 if weighed:
-                    seconds, timed = time.perf_counter() - started, [c.timed for c in found[0].calls]
-                    self._worth.recorded(structure, seconds, elements, [(t, seconds / len(timed)) for t in timed], False)
+                    seconds = time.perf_counter() - started
+                    timed = [c.timed for c in found[0].calls if c.timed is not None]
+                    self._worth.recorded(structure, seconds, elements, [(t, seconds / len(timed)) for t in timed],
+                                         False, out)
                 return out
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer(hook_set)
@@ -115,7 +117,8 @@ class AcceleratedForward:
             tracer.refuse("the call changed the metadata of an argument tensor")
         learnt = replayer.learn(key, tracer, leaves, out, before)
         if weighed and not _on_the_way_to_a_compiled_replay(learnt):
-            self._worth.recorded(structure, time.perf_counter() - started, elements, tracer.costs, tracer.compiling)
+            self._worth.recorded(structure, time.perf_counter() - started, elements, tracer.costs, tracer.compiling,
+                                 out)
         return out
 
     def _submodules(self) -> list[tuple[str, torch.nn.Module]]:
@@ -142,6 +145,11 @@ class AcceleratedForward:
 def _eager_only(trace: Trace) -> bool:
     """Do all of the trace's programs run on eager (until their compiles repay)?"""
     return bool(trace.calls) and all(c.timed is not None for c in trace.calls)
+
+
+def _differentiable(trace: Trace) -> bool:
+    """Does a replay of the trace bring a backward of its programs (autograd recorded the call)?"""
+    return any(c.differentiable for c in trace.calls)
 
 
 def _on_the_way_to_a_compiled_replay(entry: Entry | None) -> bool:
