@@ -70,6 +70,7 @@ def test_capture_and_compile_then_run_in_a_fresh_process(arch, tmp_path):
     assert all(p["gap"] < 1e-4 and p["tolerance"] == "scale 0.0001" for g in forward["programs"] for p in g["partitions"])
 
 
+@pytest.mark.slow  # ~22 s of XNNPACK lowering
 def test_mixed_delegates_with_eager_partitions_as_exported_programs(tmp_path):
     """XNNPACK first declines layer_norm, gelu, embeddings...: those partitions are saved as
     ExportedPrograms, and ONNX Runtime takes what XNNPACK does not."""

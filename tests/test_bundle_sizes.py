@@ -61,7 +61,7 @@ def test_a_range_wider_than_the_model_takes_is_refused_with_what_it_takes(tmp_pa
         compile_call(model, _inputs(16), ["ort"], dynamic=parse(f"{DIMS}=2..1024"))
 
 
-@pytest.mark.parametrize("target", ["ort", "xnnpack", "coreai"])
+@pytest.mark.parametrize("target", ["ort", "xnnpack", pytest.param("coreai", marks=pytest.mark.slow)])  # coreai: ~14 s
 def test_a_view_of_a_graph_value_follows_n(tmp_path, target):
     """GPT-2's logits are a view Python took of the LM head's output: its sizes follow n too.
     XNNPACK's programs (ExecuTorch plans memory for the largest size) are built for the range's high;

@@ -63,6 +63,7 @@ def _check_sliding(arch: str, tmp_path: pathlib.Path) -> None:
         assert torch.equal(loaded.generate(LONG, max_new_tokens=48), model.generate(LONG, max_new_tokens=48, do_sample=False))
 
 
+@pytest.mark.slow  # ~28 s; a generating bundle on Core AI runs by default
 def test_a_sliding_window_bundle_keeps_its_rings_as_core_ai_states(tmp_path):
     """Mistral, all layers sliding: one asset of two functions, prefill and decode, the rings
     decode's states, tokens past the window eager's."""

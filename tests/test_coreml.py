@@ -126,6 +126,7 @@ def test_a_damaged_package_does_not_validate(cache):
         coreml.describe(out.getvalue())
 
 
+@pytest.mark.slow  # ~45 s of conversion
 def test_a_bundle_ships_the_packages_and_runs_here_on_their_eager_fallback(cache, tmp_path):
     bundle = tmp_path / "gpt2.bundle"
     _compile("GPT2LMHeadModel", bundle, "--targets", "coreml")

@@ -49,7 +49,9 @@ def _differentiated() -> list:
     return [p._differentiable for p in programs() if p._differentiable is not None]
 
 
-@pytest.mark.parametrize("delegate,background", [("eager", False), ("ort", False), ("ort", True)])
+# ort compiling in the call (~17 s) under -m slow: background compiles are what users get
+@pytest.mark.parametrize("delegate,background", [("eager", False), pytest.param("ort", False, marks=pytest.mark.slow),
+                                                 ("ort", True)])
 def test_training_mode_steps_replay_with_eagers_gradients(delegate, background):
     clear_caches()
     proto = _resnet()
