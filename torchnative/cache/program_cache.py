@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,6 +87,26 @@ BACKGROUND = os.environ.get("TORCHNATIVE_BACKGROUND_COMPILE", "1") == "1"
 def _background_thread() -> None:
     fresh_dispatch_state()
     apart.mark()  # its delegate compiles run in a child process (build/apart.py says why)
+    sys.setprofile(_in_slices)
+
+
+# The compile thread's own Python (AOTAutograd tracing a differentiable graph, fx passes, loading
+# an artifact) takes the GIL that each op of the caller's thread gives up around its kernel and
+# needs back: with the switch interval short, an RT-DETR ActMAD step of 60 ms took 0.4-1.3 s while
+# its backward was traced. While the caller's thread has made a call within _ACTIVE_S, that Python
+# runs in slices of _SLICE_S, each followed by a rest of _REST_S without the GIL: the caller's
+# calls keep most of their speed and the compile takes ~5x longer. An idle caller's compile runs
+# at full speed.
+_SLICE_S, _REST_S, _ACTIVE_S = 2e-3, 8e-3, 0.5
+
+
+def _in_slices(frame, event: str, arg) -> None:
+    """The compile thread's profile function (called at each Python call and return)."""
+    now = time.perf_counter()
+    if now - _switch.slice_started > _SLICE_S:
+        if now - _switch.last_call < _ACTIVE_S:
+            time.sleep(_REST_S)
+        _switch.slice_started = time.perf_counter()
 
 
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchnative-compile-background",
@@ -124,6 +145,7 @@ class _Switch:
         self.normal, self.unfinished, self.lock = sys.getswitchinterval(), 0, threading.Lock()
         self.finished = 0  # background builds done in this process (replay/worth.py looks for a new one)
         self.unchecked: set[int] = set()  # threads whose nested-fx-trace error is off (_nested_fx_trace_errors)
+        self.last_call = self.slice_started = 0.0  # perf_counter() at a caller's last call, at the slice's start
 
     def submit(self, *args, **kwargs) -> Future:
         with self.lock:
@@ -158,7 +180,9 @@ _switch = _Switch()
 
 
 def settle_threads() -> None:
-    """The calling thread's torch threads as they were before background compiles, once none runs."""
+    """Called at each accelerated call (and capture): the calling thread's torch threads as they
+    were before background compiles, once none runs; a compile's Python meanwhile in slices."""
+    _switch.last_call = time.perf_counter()
     _switch.settle()
 
 
