@@ -66,6 +66,9 @@ def test_claimed_ops_convert_and_validate(cache, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "resnet", "bert", "vit"])
 def test_models_compile_and_fall_back_with_the_reason(cache, name):
+    # from clean caches: after tests/test_bundle_sizes.py's Core AI bundle of GPT-2 in the same process
+    # this capture placed nothing on coreml (not understood yet: see the note of 2026-12-06)
+    clear_caches()
     model = models.build(name)
     model.config.use_cache = False
     inputs = models.example_inputs(name, model)
@@ -218,3 +221,4 @@ def test_masked_attention_converts_with_its_masked_rows_written_out(cache):
     (graph,) = [e.step.graph for e in compiled if "scaled_dot_product" in str(e.step.graph.gm.graph)]
     ops = coreml.CoreML().compile(graph).meta["ops"]
     assert ops.get("scaled_dot_product_attention") == 1 and ops.get("equal") and ops.get("select"), ops
+
