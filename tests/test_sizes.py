@@ -157,3 +157,19 @@ def test_bert_at_five_lengths_compiles_once():
     assert len(_compiled()) == 2
     table = model.config.max_position_embeddings
     assert any(p.ranges == {0: (2, table)} for p in _compiled())
+
+
+def test_explain_names_why_a_static_delegate_took_nothing_of_a_graph_for_every_size():
+    """A graph whose op sequence ran at other sizes (here, or as another model of the same code)
+    stands for every size; Core ML compiles static shapes, so it declines every op: explain()
+    says so (it showed the graph on eager without a word)."""
+    pytest.importorskip("coremltools")
+    clear_caches()
+    model = torchnative.accelerate(Positional(), delegates=["ort"])
+    with torch.no_grad():
+        for n in (5, 5, 9, 9, 13):  # the second size's compile fits the template, the third confirms it
+            model(*_inputs(n))
+        with torchnative.capture(["coreml"], compile_after=1):
+            found = torchnative.explain(model, *_inputs(17))
+    assert found.partitions == [(("eager", 15),)]
+    assert "coreml declined 14 op(s): its sizes are symbols" in str(found), found

@@ -50,6 +50,7 @@ class Explanation:
                          f"outputs {_roles(g.output_roles)}")
             if self.not_compiled[i]:
                 lines.append(f"    not compiled, {self.not_compiled[i]}")
+            lines += [f"    {d} declined {k} op(s): {why}" for (d, why), k in _declined(self.programs[i]).most_common(3)]
         for name, (role, why) in self.updatable.items():
             lines.append(f"  {role} {name}: {why}")
         for b in self.breaks:
@@ -74,6 +75,11 @@ def _gap_line(g: PartitionGap) -> str:
         where = f" at {short_path(*worst.stack)}" if worst.stack[1] else ""
         line += f", worst output {worst.name} ({worst.op}{where})"
     return line + "; ops from " + ", ".join(f"{short_path(f, n)} ({k})" for f, n, k in g.sources[:3])
+
+
+def _declined(program) -> Counter:
+    """(delegate, reason) -> how many of the program's nodes it declined for that reason."""
+    return Counter((d, why) for _, d, why in getattr(program, "declined", ()))
 
 
 def _roles(roles: list[str]) -> str:

@@ -93,8 +93,8 @@ _SCALAR = ("reads a Python float that changes between calls (a scalar input of t
            "their scalars in, so eager runs it")
 
 
-_VARIES = ("its size varies between calls (a graph that stands for every size, torchnative.sizes): this "
-           "delegate compiles static shapes only")
+_VARIES = ("its sizes are symbols (its op sequence ran at other sizes in this process, maybe as another model: "
+           "one program stands for every size, torchnative.sizes); this delegate compiles static shapes only")
 
 
 def _varies(n: fx.Node) -> bool:
