@@ -393,6 +393,7 @@ print(dict(torchnative.stats()["disk_cache"]))
 """
 
 
+@pytest.mark.slow  # ~18 s: two processes building the same programs
 def test_two_processes_sharing_the_cache(tmp_path):
     env = {**os.environ, "TORCHNATIVE_CACHE_DIR": str(tmp_path / "cache")}
     workers = [subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

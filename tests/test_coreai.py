@@ -159,7 +159,7 @@ def test_palettized_weights_are_core_ai_lookups():
     assert (dequantized(w, "palettize4") - w).norm() < 0.15 * w.norm()
 
 
-@pytest.mark.parametrize("quantize", [None, "palettize4"])
+@pytest.mark.parametrize("quantize", [None, pytest.param("palettize4", marks=pytest.mark.slow)])  # ~8 s
 def test_a_generating_bundle_generates_eager_s_tokens_in_a_fresh_process(tmp_path, quantize):
     """capture-and-compile --targets coreai [--quantize palettize4]: one asset, its KV caches Core AI
     states; a fresh process generates the tokens of the model (with the palettized values: they
