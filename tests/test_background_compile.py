@@ -22,6 +22,7 @@ from tests.test_tta import METHODS, _images, _resnet
 from torchnative.build import apart
 from torchnative.cache import program_cache
 from torchnative.cache.program_cache import background, clear_caches, programs
+from torchnative.recording.trie import Recorded
 
 ORT = dict(rtol=1e-4, atol=1e-4)
 
@@ -68,6 +69,24 @@ def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
     s = torchnative.stats()
     assert len(_compiled(programs())) == 1 and s["compiling_runs"] == 3, s
     assert s["replays"] >= 1, s  # the calls after it is ready replay the compiled program
+
+
+def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
+    """Building the fx graph of a program to compile is part of the compile, off the call (a GPT-2
+    chat call's first builds spent 0.4 s of the call on it)."""
+    made_on, real = [], Recorded.graph
+    monkeypatch.setattr(Recorded, "graph", lambda self, *a: made_on.append(threading.current_thread().name) or real(self, *a))
+    model = _mlp()
+    torchnative.accelerate(model, delegates=["ort"], background=True)
+    clear_caches()
+    with torch.no_grad():
+        for i in range(4):
+            model(torch.randn(4, 16))
+        torchnative.wait_for_compiles()
+        model(torch.randn(4, 16))  # takes the program built
+    assert _compiled(programs())
+    assert "MainThread" in made_on  # eager's program, which the first calls run
+    assert any(name.startswith("torchnative-compile-background") for name in made_on), made_on
 
 
 def test_a_weight_written_while_its_program_compiles_is_pinned_not_served_stale(monkeypatch):

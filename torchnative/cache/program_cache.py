@@ -32,7 +32,7 @@ from torchnative.cache import calibration
 from torchnative.lru import Lru
 from torchnative.build.pipeline import build_program
 from torchnative.build.program import Program, baked_state
-from torchnative.cache.templates import Template, Templates, confirm
+from torchnative.cache.templates import Template, Templates, annotated, confirm
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
 
@@ -368,14 +368,15 @@ class ProgramCache:
     def _build_in_background(self, key: tuple, graph: Recorded, inputs: list) -> None:
         if key not in self.building:
             built_for, _, delegates, quantize = key
-            captured = _graph(built_for, graph)
             # the build runs its program and eager's on these values after this call and later ones
             # wrote its states (a cache's counter moved past the last slot): they are taken as they
             # are now; the weights, which it bakes by identity, are not copied
             now = [_as_now(t) if isinstance(t, torch.Tensor) and not is_weight(role) else t
-                   for t, role in zip(inputs, captured.input_roles)]
-            job = _switch.submit(build_program, captured, delegates, now, quantize,
-                                 calibration_sets=self.calibration.get(graph, []))
+                   for t, role in zip(inputs, graph.placeholder_roles())]
+            # the graph itself is built on the compile thread too (a GPT-2 chat call's first builds:
+            # 0.4 s of the call), from the template's rules as they are now
+            sizes = built_for.sizes if isinstance(built_for, Template) else None
+            job = _switch.submit(_built, graph, sizes, delegates, now, quantize, self.calibration.get(graph, []))
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
             job.add_done_callback(lambda _, run_key=key[:3]: self._compiled_run(run_key))
 
@@ -499,6 +500,14 @@ def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
     """The recorded graph, annotated with the rules of the template it runs under, if any
     (cache/templates.py)."""
     return built_for.at(graph) if isinstance(built_for, Template) else graph.graph()
+
+
+def _built(graph: Recorded, sizes, delegates: tuple, inputs: list, quantize: str | None,
+           calibration_sets: list) -> Program:
+    """The background build of a graph's program: the graph (annotated with a template's rules
+    `sizes`, if any) built, then its program."""
+    captured = annotated(graph, sizes, graph.flat()) if sizes is not None else graph.graph()
+    return build_program(captured, delegates, inputs, quantize, calibration_sets=calibration_sets)
 
 
 def _as_now(t: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,11 @@ class Recorded:
     def input_roles(self) -> list[str]:
         return [n.role for n in self.node.path() if n.op == INPUT]
 
+    def placeholder_roles(self) -> list[Role]:
+        """The roles `graph()`'s placeholders get, without building it (an input the graph writes: state)."""
+        written = {s for s, _ in self.sig.state}
+        return ["state" if n.out_slots[0] in written else n.role for n in self.node.path() if n.op == INPUT]
+
     @property
     def n_ops(self) -> int:
         return self.node.n_ops
