@@ -72,8 +72,7 @@ def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
 
 
 def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
-    """Building the fx graph of a program to compile is part of the compile, off the call (a GPT-2
-    chat call's first builds spent 0.4 s of the call on it)."""
+    """Building the fx graph of a program to compile is part of the compile, off the call."""
     made_on, real = [], Recorded.graph
     monkeypatch.setattr(Recorded, "graph", lambda self, *a: made_on.append(threading.current_thread().name) or real(self, *a))
     model = _mlp()
