@@ -159,17 +159,34 @@ def test_bert_at_five_lengths_compiles_once():
     assert any(p.ranges == {0: (2, table)} for p in _compiled())
 
 
-def test_explain_names_why_a_static_delegate_took_nothing_of_a_graph_for_every_size():
-    """A graph whose op sequence ran at other sizes (here, or as another model of the same code)
-    stands for every size; Core ML compiles static shapes, so it declines every op: explain()
-    says so (it showed the graph on eager without a word)."""
+def _template_then(delegates: list[str]):
+    """explain() of a call at a fourth size, under `delegates`, after an ort-accelerated model ran
+    three others: a template that stands for every size is confirmed."""
     pytest.importorskip("coremltools")
     clear_caches()
     model = torchnative.accelerate(Positional(), delegates=["ort"])
     with torch.no_grad():
         for n in (5, 5, 9, 9, 13):  # the second size's compile fits the template, the third confirms it
             model(*_inputs(n))
-        with torchnative.capture(["coreml"], compile_after=1):
-            found = torchnative.explain(model, *_inputs(17))
-    assert found.partitions == [(("eager", 15),)]
+        with torchnative.capture(delegates, compile_after=1):
+            return torchnative.explain(model, *_inputs(17))
+
+
+def test_explain_names_why_a_static_delegate_declined_the_nodes_of_a_graph_for_every_size():
+    """Beside a delegate that takes sizes as symbols, the call's graph is the template's; Core ML
+    compiles static shapes, so it declines every op, and explain() says so (it showed the graph's
+    placement without a word)."""
+    found = _template_then(["coreml", "ort"])
+    assert dict(found.partitions[0])["ort"] == 14
     assert "coreml declined 14 op(s): its sizes are symbols" in str(found), found
+
+
+def test_static_delegates_alone_compile_the_graph_at_the_calls_sizes():
+    """Static delegates alone are given the graph at the call's sizes, not the template (where they
+    would decline every node): here Core ML converts it (compile-only on Linux: it runs on eager,
+    with that reason). Before, a model whose op sequence had run at other sizes in the process (as
+    another model of the same code) got nothing on coreml."""
+    found = _template_then(["coreml"])
+    assert "declined" not in str(found), found
+    assert found.fallbacks and all(f.delegate == "coreml" and "compile-only" in f.reason for f in found.fallbacks)
+    assert sum(f.n_ops for f in found.fallbacks) >= 10
