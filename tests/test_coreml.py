@@ -66,9 +66,9 @@ def test_claimed_ops_convert_and_validate(cache, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "resnet", "bert", "vit"])
 def test_models_compile_and_fall_back_with_the_reason(cache, name):
-    # from clean caches: after tests/test_bundle_sizes.py's bundle of GPT-2 over a range of sizes in
-    # the same process, this GPT-2's graphs match that bundle's templates (a graph for every size),
-    # which Core ML, static, declines (explain() says so: test_sizes.py)
+    # from clean caches: the programs and templates of earlier tests (a bundle of GPT-2 over a range of
+    # sizes) are not what this test is about (a static delegate alone is given the graph at the
+    # call's sizes even so: test_sizes.py)
     clear_caches()
     model = models.build(name)
     model.config.use_cache = False
