@@ -306,7 +306,7 @@ class ProgramCache:
         compile repays), or why it stays on eager; and the run key whose eager time this run adds
         to (the cost rule's)."""
         template = self.templates.template_for(graph)
-        if not any(d.dynamic for d in delegates if d is not eager):
+        if not any(getattr(d, "dynamic", False) for d in delegates if d is not eager):
             # delegates of static shapes only would decline every node of a graph for every size:
             # each size is a graph of its own for them (up to SIZE_LIMIT sizes), as bundles pad to buckets
             template = None
