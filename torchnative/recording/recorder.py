@@ -22,7 +22,7 @@ from torchnative.recording import scalars, trie, views
 from torchnative.recording.meta import Unrecordable, infer, meta_of, recorded_meta
 from torchnative.recording.source import user_frame
 from torchnative.recording.ops import _CLASSES, Kind, classify, explicit_offset
-from torchnative.recording.trie import INPUT, REFS, ROOT, Recorded, TrieNode, Ref, Signature, build_graph
+from torchnative.recording.trie import INPUT, REFS, ROOT, Recorded, TrieNode, Ref, Signature, build_graph, slot_of
 from torchnative.shim import DoorMode, LazyTensor, run_eagerly
 
 aten = torch.ops.aten
@@ -213,14 +213,14 @@ class Recorder:
         one graph (the graph sees it at offset 0; ops that take an offset are cut, __call__)."""
         role = "param" if isinstance(x, torch.nn.Parameter) or id(x) in self.weights else "input"
         try:
-            key = (INPUT, x.shape, x.stride(), x.dtype, x.device, role)
+            key = (INPUT, tuple(x.shape), x.stride(), x.dtype, x.device, role)
         except RuntimeError as e:  # sparse and other layouts without strides
             raise Unrecordable(f"input with layout {x.layout}: {e}") from e
-        node = self.node.children.get(key)
+        node = self.node.child(key)
         if node is None:
             if x.device.type != "cpu" or x.layout != torch.strided:
                 raise Unrecordable(f"input on {x.device} with layout {x.layout}")
-            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (recorded_meta(x),), None, role=role)
+            node = self.node.add(key, TrieNode(self.node, INPUT, (), (), (recorded_meta(x),), None, role=role))
         self.node = node
         s = node.out_slots[0]
         self.inslot[id(x)] = s
@@ -239,7 +239,7 @@ class Recorder:
             eargs = tuple(eargs)
             ekw = tuple([(k, enc(v)) for k, v in kwargs.items()]) if kwargs else ()
             key = (id(op), eargs, ekw)
-            node = self.node.children.get(key)
+            node = self.node.child(key)
             if node is None:
                 node = self.scalar_site(op, is_view, args, kwargs, eargs, ekw)
         except Unrecordable as e:
@@ -273,16 +273,16 @@ class Recorder:
             eargs = tuple(REFS[self.scalar_input(op, i, args[i])] if i in dynamic else a for i, a in enumerate(eargs))
             ekw = tuple((k, REFS[self.scalar_input(op, k, kwargs[k])]) if k in dynamic else (k, a) for k, a in ekw)
         key = (id(op), eargs, ekw)
-        node = self.node.children.get(key)
+        node = self.node.child(key)
         return node if node is not None else self.new_node(op, is_view, args, kwargs, key)
 
     def scalar_input(self, op, position: int | str, value: float) -> int:
         """A float argument of `op` (by position, or keyword) as an input of the graph (role
         `scalar`): its slot."""
         key = (INPUT, "scalar", id(op), position)
-        node = self.node.children.get(key)
+        node = self.node.child(key)
         if node is None:
-            node = self.node.children[key] = TrieNode(self.node, INPUT, (), (), (None,), None, role="scalar")
+            node = self.node.add(key, TrieNode(self.node, INPUT, (), (), (None,), None, role="scalar"))
         self.node = node
         self.inputs.append(value)
         return node.out_slots[0]
@@ -293,8 +293,7 @@ class Recorder:
         absolute = c.offset_at is not None and explicit_offset(c, args, kwargs)
         node = TrieNode(self.node, op, key[1], key[2], metas, sequence, is_view=is_view, stack=user_frame(3),
                         absolute=absolute)
-        self.node.children[key] = node
-        return node
+        return self.node.add(key, node)
 
     def mark_view(self, t: LazyTensor, op, args: tuple, kwargs: dict) -> None:
         src = args[0]
@@ -376,7 +375,7 @@ class Recorder:
                 dst._bgen = self.gen_of(base)
             else:
                 dst._gen += 1
-            dst._slot = self.enc(new).slot
+            dst._slot = slot_of(self.enc(new))
             dst._epoch = self.epoch
             return
         x = dst._value if type(dst) is LazyTensor else dst
@@ -470,7 +469,7 @@ class Recorder:
             self._flush()
 
     def _flush(self) -> None:
-        state = tuple((self.inslot[i], self.enc(self.rcur[i]).slot) for i in self.roots)
+        state = tuple((self.inslot[i], slot_of(self.enc(self.rcur[i]))) for i in self.roots)
         # a root's new value that only this dict holds (a counter's `add_`) is not an output: it
         # is the state update alone, which a delegate may then write where it reuses a buffer
         self.rcur = {}

@@ -19,7 +19,7 @@ import torch
 from torchnative.lru import Lru
 from torchnative.recording.meta import infer
 from torchnative.recording.source import user_instruction
-from torchnative.recording.trie import Ref
+from torchnative.recording.trie import is_ref
 
 _FLOAT, _REF = "\0f?", "\0r?"  # a float's and a graph value's place in a site
 
@@ -29,7 +29,7 @@ def _is_float(encoded: Any) -> bool:
 
 
 def _shape(encoded: Any, floats: list) -> Any:
-    return _FLOAT if floats else _REF if type(encoded) is Ref else encoded
+    return _FLOAT if floats else _REF if is_ref(encoded) else encoded
 
 
 class FloatSites:

@@ -9,6 +9,7 @@ one dict lookup per op and no shape inference.
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,24 +23,26 @@ from torchnative.ir import CapturedGraph, Role, module_of
 INPUT = "input"
 
 
-class Ref:
-    """A reference to a graph value by slot. Interned: one object per slot number, so the
-    default identity hash and equality are exact and fast."""
-    __slots__ = ("slot",)
-
-    def __init__(self, slot: int):
-        self.slot = slot
-
-    def __repr__(self) -> str:
-        return f"%{self.slot}"
+# A reference to a graph value by slot: an interned string, tagged as recording/meta.py tags
+# floats ("\0%" and the slot number). Not an object of a class of ours: CPython's collector
+# tracks every instance of a class, and so every tuple that holds one (a trie key, an op's
+# arguments), and a long chat process's full collections grew with them (~4 tracked objects a
+# recorded op); a tuple of strings and ints it stops tracking.
+Ref = str
+REFS: list[Ref] = [sys.intern(f"\0%{i}") for i in range(4096)]  # grown by TrieNode: REFS[slot] always exists
 
 
-REFS: list[Ref] = [Ref(i) for i in range(4096)]  # grown by TrieNode, so REFS[slot] always exists
+def is_ref(x: Any) -> bool:
+    return type(x) is str and x[:2] == "\0%"
+
+
+def slot_of(ref: Ref) -> int:
+    return int(ref[2:])
 
 
 class TrieNode:
     __slots__ = ("parent", "op", "args", "kwargs", "out_slots", "out_metas", "sequence",
-                 "is_view", "role", "stack", "children", "next_slot", "n_ops", "answers", "absolute")
+                 "is_view", "role", "stack", "first_key", "first", "others", "next_slot", "n_ops", "answers", "absolute")
 
     def __init__(self, parent: "TrieNode | None", op: Any, args: tuple, kwargs: tuple,
                  out_metas: tuple, sequence: bool, is_view: bool = False, role: str = "",
@@ -52,13 +55,18 @@ class TrieNode:
         self.out_slots = tuple(range(first, first + len(out_metas)))
         self.next_slot = first + len(out_metas)
         if self.next_slot > len(REFS):
-            REFS.extend(Ref(i) for i in range(len(REFS), 2 * self.next_slot))
+            REFS.extend(sys.intern(f"\0%{i}") for i in range(len(REFS), 2 * self.next_slot))
         self.out_metas = out_metas
         self.sequence = sequence
         self.is_view = is_view
         self.role = role
         self.stack = stack
-        self.children: dict = {}
+        # the children, by step: the first one in slots, the others (a new size, a branch) in a
+        # dict made for them. Most nodes have one child, and a dict each was a quarter of the
+        # objects the collector tracked in a chat process
+        self.first_key: tuple | None = None
+        self.first: TrieNode | None = None
+        self.others: dict | None = None
         self.answers: dict | None = None  # data reads answered here without a cut (Recorder.read)
         # ops recorded on the path to here (inputs are not ops)
         self.n_ops = (parent.n_ops + (op != INPUT)) if parent is not None else 0
@@ -67,6 +75,21 @@ class TrieNode:
         self.absolute = absolute or (parent is not None and parent.absolute)
         global _nodes
         _nodes += 1
+
+    def child(self, key: tuple) -> "TrieNode | None":
+        """The node the step `key` leads to from here, if it was recorded."""
+        if self.first_key == key:
+            return self.first
+        return self.others.get(key) if self.others is not None else None
+
+    def add(self, key: tuple, node: "TrieNode") -> "TrieNode":
+        if self.first is None:
+            self.first_key, self.first = key, node
+        elif self.others is None:
+            self.others = {key: node}
+        else:
+            self.others[key] = node
+        return node
 
     def path(self) -> list["TrieNode"]:
         nodes, n = [], self
@@ -96,18 +119,18 @@ def bound() -> None:
 
 def forget() -> None:
     global _nodes
-    ROOT.children.clear()
+    ROOT.first_key = ROOT.first = ROOT.others = None
     _nodes = 0
 
 
 def _decode(x: Any, env: dict) -> Any:
     tp = type(x)
-    if tp is Ref:
-        return env[x.slot]
     if tp is tuple:
         return [_decode(v, env) for v in x]
     if tp is str and x[:1] == "\0":
         tag = x[1]
+        if tag == "%":
+            return env[int(x[2:])]
         if tag == "f":
             return float.fromhex(x[2:])
         if tag == "c":
@@ -178,8 +201,8 @@ def flatten(node: TrieNode, sig: Signature) -> Flat:
             structure.append(0)
             ints.append(x)
             where.append(at)
-        elif tp is Ref:
-            structure.append(("%", x.slot))
+        elif tp is str and x[:2] == "\0%":
+            structure.append(("%", int(x[2:])))
         elif tp is tuple:
             structure.append((tuple, len(x)))
             for i, v in enumerate(x):
@@ -204,8 +227,8 @@ def flatten(node: TrieNode, sig: Signature) -> Flat:
 
 
 def _refs(x: Any, into: set) -> None:
-    if type(x) is Ref:
-        into.add(x.slot)
+    if is_ref(x):
+        into.add(slot_of(x))
     elif type(x) is tuple:
         for v in x:
             _refs(v, into)
