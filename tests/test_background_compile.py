@@ -56,19 +56,29 @@ def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
     clear_caches()
     torchnative.reset_stats()
     gate = _gated_builds(monkeypatch)
+    runs: list = []  # (replayed, partitions) of every graph run
+    stop = torchnative.events.listen(lambda e: isinstance(e, torchnative.events.GraphRun)
+                                     and runs.append((e.replayed, e.partitions)))
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(8)]
-    with torch.no_grad():
-        for x in xs[:4]:  # the second call starts the compile; it cannot finish before the gate opens
-            assert_same(model(x), eager(x), **ORT)
-        assert not _compiled(programs()) and torchnative.stats()["compiling_runs"] == 3
-        assert torchnative.stats()["replays"] == 0  # a call on eager's stand-in is never replayed
-        gate.set()
-        torchnative.wait_for_compiles()
-        for x in xs[4:]:
-            assert_same(model(x), eager(x), **ORT)
+    try:
+        with torch.no_grad():
+            for x in xs[:5]:  # the second call starts the compile; it cannot finish before the gate opens
+                assert_same(model(x), eager(x), **ORT)
+            assert not _compiled(programs()) and torchnative.stats()["compiling_runs"] >= 1
+            # calls on eager's stand-in replay it meanwhile (the same trace twice in a row): not recorded again
+            assert [r for r, _ in runs[-2:]] == [True, True], runs
+            gate.set()
+            torchnative.wait_for_compiles()
+            runs.clear()
+            for x in xs[5:]:
+                assert_same(model(x), eager(x), **ORT)
+    finally:
+        stop()
     s = torchnative.stats()
-    assert len(_compiled(programs())) == 1 and s["compiling_runs"] == 3, s
-    assert s["replays"] >= 1, s  # the calls after it is ready replay the compiled program
+    assert len(_compiled(programs())) == 1 and s["replay_misses"] >= 1, s  # the build is done: the call records
+    # then the compiled program runs, and the calls after it replay it
+    assert [r for r, _ in runs] == [False, False, True], runs
+    assert all(any(d == "ort" for d, _ in parts) for _, parts in runs), runs
 
 
 def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):

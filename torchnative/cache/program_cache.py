@@ -200,7 +200,9 @@ def background(enabled: bool | None = None) -> Callable[..., Future] | None:
 class Found(NamedTuple):
     program: Program
     hit: bool        # from the cache, not built for this call
-    stand_in: bool   # eager's program, run while the delegates' one compiles in the background
+    # eager's program, run while the delegates' one compiles in the background: the run key
+    # (`superseded` once that build is done)
+    stand_in: tuple | None
     not_compiled: str = ""  # why the graph runs on eager though delegates were asked for
     timed: tuple | None = None  # eager runs that count towards the cost rule: the run's seconds go to `ran`
 
@@ -286,18 +288,18 @@ class ProgramCache:
         found = self._lookup(key, inputs)
         if found is not None:
             events.STATS.cache_hits += 1
-            return Found(found, True, False)
+            return Found(found, True, None)
         events.STATS.cache_misses += 1
         if differentiated:
             events.STATS.quantized[_FLOAT_UNDER_AUTOGRAD] += 1
         if background and delegates != (eager,) and not calibration.active():
             self._build_in_background(key, graph, inputs)
             events.STATS.compiling_runs += 1
-            return Found(self._on_eager(graph, inputs, quantize).program, False, True)
+            return Found(self._on_eager(graph, inputs, quantize).program, False, key[:3])
         p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
                           calibration_sets=self.calibration.get(graph, []))
         self._took(key, p)
-        return Found(p, False, False)
+        return Found(p, False, None)
 
     def _decide(self, graph: Recorded, delegates: tuple, inputs: list, compile_after: int | None,
                 quantize: str | None) -> tuple[Recorded | Template, tuple, str, tuple | None]:
@@ -428,7 +430,8 @@ class ProgramCache:
         return found is not None and found[0] >= found[1]
 
     def superseded(self, run_key: tuple) -> bool:
-        """Has the program its eager runs counted towards (the cost rule's `run_key`) been built?"""
+        """Has the program its eager runs stood in for (the cost rule's `run_key`, or a background
+        build's) been built?"""
         return run_key in self.compiled_runs
 
     def _took(self, key: tuple, p: Program) -> None:

@@ -31,10 +31,8 @@ def _executor(delegates: tuple[Delegate, ...], tracer: Tracer | None, compile_af
             seconds = time.perf_counter() - started
             CACHE.ran(timed, seconds)
         if tracer is not None:
-            if stand_in:  # a replay would keep eager's program after the delegates' one is ready
-                tracer.refuse("a graph of it is compiling in the background")
-                tracer.compiling = True
-            tracer.ran(program, inputs, values, roots, graph, timed, seconds)
+            tracer.compiling = tracer.compiling or stand_in is not None
+            tracer.ran(program, inputs, values, roots, graph, timed, seconds, stand_in)
         events.STATS.graph_runs += 1
         events.emit(events.GraphRun(program.graph, hit, n_ops, program.partitions, False, program, not_compiled))
         return values

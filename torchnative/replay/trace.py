@@ -60,6 +60,10 @@ class GraphCall:
     # autograd recorded the call (grad on, an input that requires grad): the replay runs the
     # program's differentiable form, whose outputs carry the graph's backward
     differentiable: bool = False
+    # the program is eager's, run while the delegates' one builds in the background: the build's
+    # run key. A replay runs it meanwhile (a decode step replayed on eager instead of recorded
+    # again); once the build is done, the call records again, and so takes the built program
+    stands_in: tuple | None = None
 
     def __post_init__(self) -> None:
         # most inputs are weights ("const"): filled in once, not resolved on every call
@@ -84,6 +88,11 @@ class GraphCall:
             return self.program.valid_for(inputs)
         tensors, states = self._baked
         return list(map(baked_state, tensors)) == states and not self.program.retired
+
+    def superseded(self) -> bool:
+        """Is the program eager's, and its delegates' program built since?"""
+        return (self.timed is not None and CACHE.superseded(self.timed)) or \
+            (self.stands_in is not None and CACHE.superseded(self.stands_in))
 
     def roots(self, leaves: list, produced: list, snapshots: dict) -> list:
         """The real tensors this step's trailing values are copied into."""
@@ -125,7 +134,7 @@ class Trace:
 
     def superseded(self) -> bool:
         """Does it run an eager program whose delegates' program has been built since?"""
-        return any(c.timed is not None and CACHE.superseded(c.timed) for c in self.calls)
+        return any(c.superseded() for c in self.calls)
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
@@ -173,7 +182,7 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
             return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
-        if call.timed is not None and (CACHE.superseded(call.timed) or CACHE.repaid(call.timed)):
+        if call.superseded() or (call.timed is not None and CACHE.repaid(call.timed)):
             return Miss(k)  # its delegates' program is built, or its compile has repaid: the call records
         inputs = call.inputs(leaves, produced, snapshots)
         if not call.valid_for(inputs):

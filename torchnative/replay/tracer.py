@@ -37,6 +37,7 @@ class Tracer:
         self.runs: list[tuple] = []       # (program, inputs, values, roots it wrote, values[roots])
         self.recorded: list = []          # per run: its graph (recording.trie.Recorded)
         self.timed: list = []             # per run: the cost rule's key, if it ran on eager until its compile repays
+        self.stand_ins: list = []         # per run: the key of the build it ran on eager for, if any
         self.costs: list[tuple] = []      # (the cost rule's key, seconds) of those runs (replay/worth.py)
         self.compiling = False            # a graph ran on eager while its program compiles in the background
         self.reads: list[tuple] = []      # (tensor read, value)
@@ -47,7 +48,7 @@ class Tracer:
         self.hook_set = hook_set
 
     def ran(self, program: Any, inputs: list, values: list, roots: list, recorded: Any = None,
-            timed: tuple | None = None, seconds: float = 0.0) -> None:
+            timed: tuple | None = None, seconds: float = 0.0, stand_in: tuple | None = None) -> None:
         """`roots`: real tensors the run wrote (a KV cache); the last len(roots) values.
         `recorded`: the graph (recording.trie.Recorded); `timed`: see GraphCall.timed, and the
         `seconds` the run took."""
@@ -55,6 +56,7 @@ class Tracer:
         self.runs.append((program, list(inputs), list(values[:n]), list(roots)))
         self.recorded.append(recorded)
         self.timed.append(timed)
+        self.stand_ins.append(stand_in)
         if timed is not None:
             self.costs.append((timed, seconds))
 
@@ -141,7 +143,7 @@ class Tracer:
             # "out": a buffer an earlier graph made (a scan's `out = torch.empty(...)`, `out[t] = y` after a cut)
             if any(w[0] not in ("arg", "field", "const", "out") for w in writes):
                 raise Ineligible("a graph writes into a tensor that is not an argument, reachable from one, or made by the call")
-            steps.append(GraphCall(program, sources, tuple(reads[k]), writes, self.timed[k], grad))
+            steps.append(GraphCall(program, sources, tuple(reads[k]), writes, self.timed[k], grad, self.stand_ins[k]))
             for j, v in enumerate(values):
                 known(v, ("out", k, j))
             for j, r in enumerate(roots, len(values)):
