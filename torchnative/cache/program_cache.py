@@ -200,8 +200,8 @@ def background(enabled: bool | None = None) -> Callable[..., Future] | None:
 class Found(NamedTuple):
     program: Program
     hit: bool        # from the cache, not built for this call
-    # eager's program, run while the delegates' one compiles in the background: the run key
-    # (`superseded` once that build is done)
+    # eager's program, run while the delegates' one compiles in the background: that program's
+    # key (`built` once done; `superseded` by its first three)
     stand_in: tuple | None
     not_compiled: str = ""  # why the graph runs on eager though delegates were asked for
     timed: tuple | None = None  # eager runs that count towards the cost rule: the run's seconds go to `ran`
@@ -295,7 +295,7 @@ class ProgramCache:
         if background and delegates != (eager,) and not calibration.active():
             self._build_in_background(key, graph, inputs)
             events.STATS.compiling_runs += 1
-            return Found(self._on_eager(graph, inputs, quantize).program, False, key[:3])
+            return Found(self._on_eager(graph, inputs, quantize).program, False, key)
         p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
                           calibration_sets=self.calibration.get(graph, []))
         self._took(key, p)
@@ -433,6 +433,12 @@ class ProgramCache:
         """Has the program its eager runs stood in for (the cost rule's `run_key`, or a background
         build's) been built?"""
         return run_key in self.compiled_runs
+
+    def built(self, key: tuple, inputs: list) -> Program | None:
+        """The program of `key` (a background build's, done) valid for these inputs: what a
+        recording of the call would find (replay/trace.py's stand-ins)."""
+        with self.lock:
+            return self._lookup(key, inputs)
 
     def _took(self, key: tuple, p: Program) -> None:
         """A built program into the cache; a template takes no size beyond the ranges its

@@ -61,8 +61,9 @@ class GraphCall:
     # program's differentiable form, whose outputs carry the graph's backward
     differentiable: bool = False
     # the program is eager's, run while the delegates' one builds in the background: the build's
-    # run key. A replay runs it meanwhile (a decode step replayed on eager instead of recorded
-    # again); once the build is done, the call records again, and so takes the built program
+    # program key. A replay runs it meanwhile (a decode step replayed on eager, not recorded
+    # again), and the built program once it is done: the same graph's (or template's) program,
+    # which a recording of the call would run
     stands_in: tuple | None = None
 
     def __post_init__(self) -> None:
@@ -89,10 +90,12 @@ class GraphCall:
         tensors, states = self._baked
         return list(map(baked_state, tensors)) == states and not self.program.retired
 
-    def superseded(self) -> bool:
-        """Is the program eager's, and its delegates' program built since?"""
-        return (self.timed is not None and CACHE.superseded(self.timed)) or \
-            (self.stands_in is not None and CACHE.superseded(self.stands_in))
+    def program_for(self, inputs: list) -> Any:
+        """The program to run: the stand-in's built program once it is done and valid for these
+        inputs (else None: the call records), the trace's own until then."""
+        if self.stands_in is None or not CACHE.superseded(self.stands_in[:3]):
+            return self.program
+        return None if self.differentiable else CACHE.built(self.stands_in, inputs)
 
     def roots(self, leaves: list, produced: list, snapshots: dict) -> list:
         """The real tensors this step's trailing values are copied into."""
@@ -134,7 +137,7 @@ class Trace:
 
     def superseded(self) -> bool:
         """Does it run an eager program whose delegates' program has been built since?"""
-        return any(c.superseded() for c in self.calls)
+        return any(c.timed is not None and CACHE.superseded(c.timed) for c in self.calls)
 
     def same_as(self, other: "Trace") -> bool:
         def norm(src):
@@ -182,24 +185,25 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
             return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
-        if call.superseded() or (call.timed is not None and CACHE.repaid(call.timed)):
+        if call.timed is not None and (CACHE.superseded(call.timed) or CACHE.repaid(call.timed)):
             return Miss(k)  # its delegates' program is built, or its compile has repaid: the call records
         inputs = call.inputs(leaves, produced, snapshots)
-        if not call.valid_for(inputs):
+        program = call.program_for(inputs)
+        if program is None or (program is call.program and not call.valid_for(inputs)):
             return Miss(k)
         started = time.perf_counter() if call.timed is not None else 0.0
         if call.differentiable:
-            values = call.program.differentiable(inputs, submit)
+            values = program.differentiable(inputs, submit)
             if values is None:  # its backward is being made off the call: the call records meanwhile
                 return Miss(k)
         else:
-            values = call.program(inputs)
+            values = program(inputs)
         # an eager program's seconds count towards its compile; once that repays, the call records again, to compile
         if call.timed is not None and CACHE.ran(call.timed, time.perf_counter() - started):
             object.__setattr__(trace, "repaid", True)
         events.STATS.graph_runs += 1
         if events.listeners:
-            events.emit(events.GraphRun(call.program.graph, True, 0, call.program.partitions, True, call.program))
+            events.emit(events.GraphRun(program.graph, True, 0, program.partitions, True, program))
         for r, (j, expected) in enumerate(call.reads):
             got = values[j].item()
             if type(got) is not type(expected) or got != expected:
