@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchnative
-from torchnative import sizes, threads
+from torchnative import models, sizes, threads
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
 from torchnative.build import apart
@@ -78,6 +78,45 @@ def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
     assert len(_compiled(programs())) == 1 and torchnative.stats()["replay_misses"] == 0
     assert [r for r, _ in runs] == [True] * 3, runs
     assert all(any(d == "ort" for d, _ in parts) for _, parts in runs), runs
+
+
+def test_decode_steps_replay_eagers_program_while_theirs_compiles_and_the_built_one_after(monkeypatch):
+    """Chat traffic while the compile is out: `generate()` at new prompt lengths replays its decode
+    steps on eager's (template) program instead of recording each again; once the build is done,
+    the same replays run the built program. Tokens are eager's throughout."""
+    model = models.build("gpt2")
+    accel = torchnative.accelerate(copy.deepcopy(model), delegates=["ort"], background=True, compile_after=2)
+    clear_caches()
+    torchnative.reset_stats()
+    gate = _gated_builds(monkeypatch)
+    runs: list = []  # (replayed, partitions) of every graph run
+    stop = torchnative.events.listen(lambda e: isinstance(e, torchnative.events.GraphRun)
+                                     and runs.append((e.replayed, e.partitions)))
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+
+    def chat(lengths):
+        replayed = []
+        for n in lengths:
+            ids = torch.randint(0, 999, (1, n), generator=torch.Generator().manual_seed(n))
+            before = torchnative.stats()["new_size_replays"]
+            with torch.no_grad():
+                assert torch.equal(accel.generate(ids, **kwargs), model.generate(ids, **kwargs))
+            replayed.append(torchnative.stats()["new_size_replays"] - before)
+        return replayed
+
+    try:
+        while_compiling = chat([12, 40, 24, 30])  # 24 and 30's decode lengths lie inside 13..49
+        assert not _compiled(programs()) and torchnative.stats()["compiling_runs"] >= 1
+        assert min(while_compiling[2:]) >= 5, while_compiling
+        gate.set()
+        torchnative.wait_for_compiles()
+        runs.clear()
+        after = chat([20, 35])
+    finally:
+        stop()
+    assert min(after) >= 5 and _compiled(programs()), after
+    replays = [parts for replayed, parts in runs if replayed]
+    assert replays and all(any(d == "ort" for d, _ in parts) for parts in replays[-5:]), replays[-5:]
 
 
 def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
