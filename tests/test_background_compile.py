@@ -49,16 +49,22 @@ def _gated_builds(monkeypatch) -> threading.Event:
     return gate
 
 
+def _gated_and_watched(monkeypatch) -> tuple[threading.Event, list, object]:
+    """A cold start with gated builds (`_gated_builds`), and every graph run's (replayed,
+    partitions) listed from here; the third: stops the listing."""
+    clear_caches()
+    torchnative.reset_stats()
+    runs: list = []
+    stop = torchnative.events.listen(lambda e: isinstance(e, torchnative.events.GraphRun)
+                                     and runs.append((e.replayed, e.partitions)))
+    return _gated_builds(monkeypatch), runs, stop
+
+
 def test_calls_run_on_eager_while_the_program_compiles_then_on_it(monkeypatch):
     model = _mlp()
     eager = copy.deepcopy(model)
     torchnative.accelerate(model, delegates=["ort"], background=True)
-    clear_caches()
-    torchnative.reset_stats()
-    gate = _gated_builds(monkeypatch)
-    runs: list = []  # (replayed, partitions) of every graph run
-    stop = torchnative.events.listen(lambda e: isinstance(e, torchnative.events.GraphRun)
-                                     and runs.append((e.replayed, e.partitions)))
+    gate, runs, stop = _gated_and_watched(monkeypatch)
     xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     try:
         with torch.no_grad():
@@ -86,12 +92,7 @@ def test_decode_steps_replay_eagers_program_while_theirs_compiles_and_the_built_
     the same replays run the built program. Tokens are eager's throughout."""
     model = models.build("gpt2")
     accel = torchnative.accelerate(copy.deepcopy(model), delegates=["ort"], background=True, compile_after=2)
-    clear_caches()
-    torchnative.reset_stats()
-    gate = _gated_builds(monkeypatch)
-    runs: list = []  # (replayed, partitions) of every graph run
-    stop = torchnative.events.listen(lambda e: isinstance(e, torchnative.events.GraphRun)
-                                     and runs.append((e.replayed, e.partitions)))
+    gate, runs, stop = _gated_and_watched(monkeypatch)
     kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
 
     def chat(lengths):
