@@ -92,6 +92,19 @@ def test_small_regions_go_to_eager_with_a_reason():
     assert "below the minimum of 2" in plan.declined["a"][-1][1]
 
 
+def test_a_region_of_views_alone_runs_on_eager_without_a_decline():
+    """Views are free on eager: a region of them alone declined nothing (explain() said "declined
+    1 op(s): its region has 0 op(s)")."""
+    def build(g, x):
+        a = g.call_function(aten.view.default, (x, [-1]), name="a")
+        b = g.call_function(aten.sin.default, (a,), name="b")
+        return g.call_function(aten.view.default, (b, [4, 4]), name="c")
+
+    plan = partition(_graph(build), [Takes("d", {aten.view.default})])
+    assert _layout(plan) == [("eager", ["a", "b", "c"])]
+    assert "a" not in plan.declined and "c" not in plan.declined, plan.declined
+
+
 def test_getitem_stays_with_its_producer():
     def build(g, x):
         ln = g.call_function(aten.native_layer_norm.default, (x, [4], None, None, 1e-5), name="ln")

@@ -45,8 +45,9 @@ def partition(graph: fx.Graph, delegates: Sequence[Delegate], min_ops: int = 1) 
     small = [g for g in groups if label[g[0]] != EAGER and _ops(g) < min_ops]
     for g in small:
         for n in g:
-            declined.setdefault(n.name, []).append(
-                (label[n], f"its region has {_ops(g)} op(s), below the minimum of {min_ops}"))
+            if _ops(g):  # a region of views alone is free on eager: nothing was declined
+                declined.setdefault(n.name, []).append(
+                    (label[n], f"its region has {_ops(g)} op(s), below the minimum of {min_ops}"))
             label[n] = EAGER
     if small:
         groups = _grow(nodes, label)
