@@ -22,6 +22,7 @@ import torch
 from torchnative import events, threads
 from torchnative.recording import reset as forget_recordings
 from torchnative.recording.trie import Recorded
+from torchnative.sizes import Sizes
 from torchnative.build import apart
 from torchnative.delegates.base import fresh_dispatch_state
 from torchnative.delegates.eager import delegate as eager
@@ -296,7 +297,7 @@ class ProgramCache:
             self._build_in_background(key, graph, inputs)
             events.STATS.compiling_runs += 1
             return Found(self._on_eager(graph, inputs, quantize).program, False, key)
-        p = build_program(_graph(built_for, graph), delegates, inputs, quantize,
+        p = build_program(_graph(graph, _rules(built_for)), delegates, inputs, quantize,
                           calibration_sets=self.calibration.get(graph, []))
         self._took(key, p)
         return Found(p, False, None)
@@ -381,7 +382,7 @@ class ProgramCache:
                    for t, role in zip(inputs, graph.placeholder_roles())]
             # the graph itself is built on the compile thread too (its fx nodes, a template's rules
             # marked on them: ~10 ms for a GPT-2 template), from the template's rules as they are now
-            sizes = built_for.sizes if isinstance(built_for, Template) else None
+            sizes = _rules(built_for)
             job = _switch.submit(_built, graph, sizes, delegates, now, quantize, self.calibration.get(graph, []))
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
             job.add_done_callback(lambda _, run_key=key[:3]: self._compiled_run(run_key))
@@ -509,18 +510,23 @@ def _cost(spent: float, estimate: float) -> str:
             f"compile_after=N compiles after N runs instead)")
 
 
-def _graph(built_for: Recorded | Template, graph: Recorded) -> CapturedGraph:
-    """The recorded graph, annotated with the rules of the template it runs under, if any
-    (cache/templates.py)."""
-    return built_for.at(graph) if isinstance(built_for, Template) else graph.graph()
+def _rules(built_for: Recorded | Template) -> Sizes | None:
+    """The rules of the template a program is built for, if any (cache/templates.py)."""
+    return built_for.sizes if isinstance(built_for, Template) else None
 
 
-def _built(graph: Recorded, sizes, delegates: tuple, inputs: list, quantize: str | None,
+def _graph(graph: Recorded, sizes: Sizes | None) -> CapturedGraph:
+    """The recorded graph, annotated with a template's rules `sizes`, if any: what a program for
+    the template is built from (a delegate that plans memory for the largest size builds one per
+    bucket of sizes, sizes.bucket)."""
+    return annotated(graph, sizes, graph.flat()) if sizes is not None else graph.graph()
+
+
+def _built(graph: Recorded, sizes: Sizes | None, delegates: tuple, inputs: list, quantize: str | None,
            calibration_sets: list) -> Program:
-    """The background build of a graph's program: the graph (annotated with a template's rules
-    `sizes`, if any) built, then its program."""
-    captured = annotated(graph, sizes, graph.flat()) if sizes is not None else graph.graph()
-    return build_program(captured, delegates, inputs, quantize, calibration_sets=calibration_sets)
+    """The background build of a graph's program: its graph (with a template's rules as they were
+    at submission), then its program."""
+    return build_program(_graph(graph, sizes), delegates, inputs, quantize, calibration_sets=calibration_sets)
 
 
 def _as_now(t: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,6 @@ class Template:
         """Sizes out of these ranges (what a program's delegates took) match it no more."""
         self.sizes = self.sizes.narrowed(ranges)
 
-    def at(self, graph: Recorded) -> CapturedGraph:
-        """The template at the sizes of a graph that matches it: what a program for those sizes
-        is built from (a delegate that plans memory for the largest size builds one per bucket of
-        sizes, sizes.bucket)."""
-        return annotated(graph, self.sizes, graph.flat())
-
 
 class Templates:
     """The templates of every skeleton, and what fitting needs: per skeleton its recent graphs, per
