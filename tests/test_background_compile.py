@@ -120,6 +120,31 @@ def test_decode_steps_replay_eagers_program_while_theirs_compiles_and_the_built_
     assert replays and all(any(d == "ort" for d, _ in parts) for parts in replays[-5:]), replays[-5:]
 
 
+def test_calls_at_ever_new_sizes_while_compiling_are_weighed_against_eager(monkeypatch):
+    """A call whose trace would replay eager's stand-in is no step towards a compiled replay: calls
+    at sizes that never recur are weighed against eager (replay/worth.py) and run as eager, not
+    recorded one after another (a tiny GPT-2 at 1000 random sizes grew 172 MB instead of 49)."""
+    monkeypatch.setattr(program_cache, "_COMPILE_FLOOR", 0.0)  # the cost rule compiles at once: stand-ins
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 0.0)
+    model = models.build("gpt2")
+    model.config.use_cache = False
+    eager = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], background=True, compile_after=None)
+    gate, _, stop = _gated_and_watched(monkeypatch)
+    stop()
+    rng = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for n in torch.randperm(60, generator=rng)[:40] + 8:
+                ids = torch.randint(0, 999, (2, int(n)), generator=rng)
+                assert torch.equal(model(ids).logits, eager(ids).logits)
+        s = torchnative.stats()
+        assert not _compiled(programs()) and s["compiling_runs"] >= 1, s
+        assert s["eager_calls"] >= 10, s
+    finally:
+        gate.set()
+
+
 def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
     """Building the fx graph of a program to compile is part of the compile, off the call."""
     made_on, real = [], Recorded.graph

@@ -142,9 +142,11 @@ class AcceleratedForward:
         return AcceleratedForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo), self.settings)
 
 
-def _eager_only(trace: Trace) -> bool:
-    """Do all of the trace's programs run on eager (until their compiles repay)?"""
-    return bool(trace.calls) and all(c.timed is not None for c in trace.calls)
+def _eager_only(trace: Trace, stand_ins: bool = False) -> bool:
+    """Do all of the trace's programs run on eager (until their compiles repay; with
+    `stand_ins`, or while they compile in the background)?"""
+    return bool(trace.calls) and all(c.timed is not None or (stand_ins and c.stands_in is not None)
+                                     for c in trace.calls)
 
 
 def _differentiable(trace: Trace) -> bool:
@@ -155,8 +157,10 @@ def _differentiable(trace: Trace) -> bool:
 def _on_the_way_to_a_compiled_replay(entry: Entry | None) -> bool:
     """Is this recorded call one of the two that make a trace of compiled programs replay? Those are
     paid once; weighed against eager, they would start a stretch of eager calls that delays the
-    replays they lead to. A trace learnt more often than that does not replay, and is weighed."""
-    return entry is not None and not _eager_only(entry.trace) and entry.seen <= 2 and entry.run <= 2
+    replays they lead to. A trace learnt more often than that does not replay, and is weighed; so
+    is one of eager's stand-ins (its replays run eager's program until the compile is done: calls
+    at ever new sizes, which record it again and again, may cost more than eager's forward)."""
+    return entry is not None and not _eager_only(entry.trace, stand_ins=True) and entry.seen <= 2 and entry.run <= 2
 
 
 def _elements(leaves: list) -> int:
