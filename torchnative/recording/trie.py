@@ -3,8 +3,9 @@
 Each edge is one recorded step — an input entering the graph, or an op with its arguments
 encoded (tensors as slot references, scalars exactly). The node reached after the last step *is*
 the incremental structural key of the pending graph, and each node carries what the step
-produced (output slots and metadata, source line), so a graph recorded before is replayed with
-one dict lookup per op and no shape inference.
+produced (output slots and metadata, source line), so a graph recorded before is recorded again
+with one lookup per op (a comparison with the node's first child, most often) and no shape
+inference.
 """
 from __future__ import annotations
 
