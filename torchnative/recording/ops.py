@@ -170,7 +170,11 @@ DOOR_DECOMPOSITIONS: dict = {
     aten._batch_norm_impl_index.default: aten._batch_norm_impl_index.default.decompose,
 }
 
-DECOMPOSITIONS = core_aten_decompositions()  # torch's, which the door applies to non-Core ops
+# torch's, which the door applies to non-Core ops: its aten table as a plain dict. Looking an op up
+# in the table torch returns first collects every CompositeImplicitAutograd op of every namespace
+# (~20 ms, in the first call of the first model); the door decomposes those of other namespaces
+# itself (`op.decompose`, the last case of `_classify`)
+DECOMPOSITIONS: dict = core_aten_decompositions().decomp_table
 _CLASSES: dict = {}
 
 
