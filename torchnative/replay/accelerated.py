@@ -24,7 +24,7 @@ from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_ob
 from torchnative.replay.replayer import Replayer, Entry
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
-from torchnative.replay.watch import foreign_hook, module_changes, watch
+from torchnative.replay.watch import Submodules, foreign_hook, module_changes, watch
 from torchnative.replay.trace import Trace
 from torchnative.replay.tracer import Tracer
 from torchnative.replay.worth import Worth
@@ -52,7 +52,7 @@ class AcceleratedForward:
         self._replayer: Replayer | None = None  # made at the first call: a copy's tensors exist only then
         self._sites = FloatSites()  # the floats its calls saw at each site: its own, not another model's
         self._lock = threading.Lock()
-        self._listed: tuple[int, list] | None = None  # (module_changes(), submodules) when listed
+        self._listed: tuple[int, Submodules] | None = None  # (module_changes(), submodules) when listed
         self._worth = Worth()  # whether its calls that do not replay are worth recording
 
     @property
@@ -91,8 +91,9 @@ class AcceleratedForward:
                 out = forward(*args, **kwargs)
                 self._worth.ran_eager(structure, time.perf_counter() - started, elements, out)
                 return out
-        named = self._submodules()
-        hooked, hook_set = foreign_hook(named), hooks_of(named)
+        submodules = self._submodules()
+        named = submodules.named
+        hooked, hook_set = foreign_hook(submodules), hooks_of(named) if submodules.hooked() else ()
         if hooked is None and found is not None:
             replayed, out = replayer.replay(key, found, leaves, hook_set)
             if replayed:
@@ -121,11 +122,11 @@ class AcceleratedForward:
                                  out)
         return out
 
-    def _submodules(self) -> list[tuple[str, torch.nn.Module]]:
-        """The model's named submodules, listed again only after a module attribute was set anywhere."""
+    def _submodules(self) -> Submodules:
+        """The model's submodules, listed again only after a module attribute was set anywhere."""
         changes = module_changes()
         if self._listed is None or self._listed[0] != changes:
-            self._listed = (changes, [(n, m) for n, m in self.model.named_modules() if m is not self.model])
+            self._listed = (changes, Submodules(self.model))
         return self._listed[1]
 
     def _replay_state(self) -> Replayer:
