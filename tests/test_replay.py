@@ -397,6 +397,26 @@ def test_a_submodules_hook_runs_on_every_call(kind):
     assert torchnative.stats()["replays"] >= 1
 
 
+def test_a_pre_hook_registered_after_the_calls_replay_runs_at_the_next_call():
+    """Whether a submodule holds a hook is one pass over hook dicts listed once (replay/watch.py
+    Submodules): a pre-hook registered once the calls replay is in them, so the next call runs it
+    (a replay would skip it), with eager's result."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)).eval()
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["eager"])
+    torchnative.reset_stats()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+        assert torchnative.stats()["replays"] >= 1
+        for m in (model, reference):
+            m[2].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        for _ in range(3):
+            assert torch.equal(model(x), reference(x))
+
+
 def test_transformers_own_output_hooks_do_not_stop_replay():
     """`output_hidden_states=True` leaves transformers' capturing hooks on the layers; their
     effect reaches the caller through the call's output, which a replay rebuilds."""
