@@ -98,7 +98,7 @@ class Submodules:
     replaces, so they run either way), as listed after the last module attribute was set (a
     module's hook dicts are replaced only by setting it), with every hook dict of theirs: whether
     any holds a hook is one pass over that list in C. Walking a GPT-2's 163 submodules in Python
-    took ~60 us of every replayed call."""
+    (with `hooks_of`) took 31 us of every replayed call; the pass, 11 us."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.named = [(n, m) for n, m in model.named_modules() if m is not model]
