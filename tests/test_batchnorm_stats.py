@@ -76,9 +76,14 @@ def _statistics(model: nn.Module) -> dict[str, torch.Tensor]:
             ("running_mean", "running_var", "num_batches_tracked")}
 
 
-@pytest.mark.parametrize("delegate", list(TOLERANCES))
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-@pytest.mark.parametrize("variant", list(VARIANTS))
+def _cases() -> list:
+    """Every variant × schedule × delegate; on ort the variant that combines two others (a
+    cumulative average without affine parameters, 5-11 s a schedule) under -m slow."""
+    return [pytest.param(v, s, d, marks=[pytest.mark.slow] if (v, d) == ("momentum_none_no_affine", "ort") else [])
+            for d in TOLERANCES for s in SCHEDULES for v in VARIANTS]
+
+
+@pytest.mark.parametrize("variant, schedule, delegate", _cases())
 def test_batchnorm_statistics_reestimated_like_eager(variant, schedule, delegate):
     eager = _model(VARIANTS[variant])
     accel = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate])

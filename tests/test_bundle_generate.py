@@ -71,8 +71,9 @@ def _fresh_generate(bundle: Path, tmp: Path, prompt_tokens: bool = True, prompt:
     return tokens
 
 
-@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                                  "T5ForConditionalGeneration"])
+# Qwen3 and Mistral (Llama's layout, ~6 s each) under -m slow
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "LlamaForCausalLM", pytest.param("Qwen3ForCausalLM", marks=pytest.mark.slow),
+                                  pytest.param("MistralForCausalLM", marks=pytest.mark.slow), "T5ForConditionalGeneration"])
 def test_bundle_generates_in_a_fresh_process_the_tokens_of_eager_generate(arch, tmp_path):
     bundle, config = _bundle(arch, tmp_path)
     expected = _eager(arch, config)

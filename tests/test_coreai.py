@@ -175,7 +175,7 @@ def test_a_generating_bundle_generates_eager_s_tokens_in_a_fresh_process(tmp_pat
     assert torch.equal(_fresh_generate(bundle, tmp_path), expected)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2's: ~6 s, no RoPE
 def test_prompts_of_new_lengths_run_on_core_ai_functions_with_dims_that_vary(name):
     """generate() at a new prompt length every call over DynamicCache: the graphs whose sizes vary
     (templates) compiled once as Core AI functions with `?` dims (RoPE's composite among them), every
