@@ -158,6 +158,36 @@ def test_a_graph_is_compiled_once_it_repeats():
     assert s["graphs_built"] == 2 and s["cache_hits"] == 1
 
 
+def test_a_graph_in_more_pieces_than_repay_their_compiles_runs_on_eager_and_says_why(monkeypatch):
+    """A graph a delegate would take only in pieces between ops no delegate takes (ONNX Runtime
+    declines torch.special ops): past MAX_PIECES it is not compiled; results are eager's."""
+    from torchnative.build import lower
+    from torchnative.cache.program_cache import clear_caches
+
+    monkeypatch.setattr(lower, "MAX_PIECES", 3)
+    clear_caches()
+
+    def step(x: torch.Tensor, pieces: int) -> torch.Tensor:
+        for _ in range(pieces):
+            x = torch.special.erfcx(x.sin() * 0.5 + 1)  # erfcx: no ort; the rest: one ort piece
+        return x
+
+    x = torch.randn(16)
+    for pieces, compiled in ((3, True), (4, False)):
+        torchnative.reset_stats()
+        with record(torchnative.events.GraphRun) as runs:
+            for _ in range(3):
+                with torchnative.capture(["ort"]):
+                    y = step(x, pieces)
+        assert_same(y, step(x, pieces))
+        ort = [d for d, _ in runs[-1].partitions if d == "ort"]
+        assert len(ort) == (pieces if compiled else 0), runs[-1].partitions
+        split = [f for f in torchnative.stats()["fallbacks"] if "splits into" in f]
+        assert bool(split) is not compiled, split
+    assert split == ["ort: the graph splits into 4 ort partitions between ops no delegate takes (more than 3): "
+                     "their compiles (~1 s each) would not repay, and every boundary moves its values; the graph runs on eager"]
+
+
 def test_unknown_delegate_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown delegate.*'nope'"):
         with torchnative.capture(["nope"]):

@@ -39,6 +39,13 @@ class LoweredGraph:
     delegates: dict[str, Delegate] = field(default_factory=dict)
 
 
+# delegate partitions a graph may split into and still be compiled. RT-DETR's backward (AOTAutograd's,
+# 1064 ops, for ActMAD's training-mode replays) split into 129 ONNX Runtime partitions around the
+# convolution_backward ops it leaves to eager: ~100 s of compiles off the call, and the program ran
+# slower than its graph on eager (68 against 63 ms); its forward's 30 partitions compile in ~27 s
+MAX_PIECES = 64
+
+
 def lower(graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torch.Tensor],
           calibration_sets: Sequence[list[torch.Tensor]] = ()) -> LoweredGraph:
     """`inputs`: the prepared graph's placeholders' values; `calibration_sets`: more of them, for
@@ -48,6 +55,14 @@ def lower(graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torc
     plan = _plan(graph, delegates)
     declined = _declined(graph, plan.declined)
     if all(p.delegate == EAGER for p in plan.partitions):
+        return LoweredGraph([], declined)
+    pieces = [p for p in plan.partitions if p.delegate != EAGER]
+    if len(pieces) > MAX_PIECES:
+        n_ops = len(graph.op_nodes())
+        names = "+".join(sorted({p.delegate for p in pieces}))
+        events.fallback(names, f"the graph splits into {len(pieces)} {names} partitions between ops no delegate takes "
+                               f"(more than {MAX_PIECES}): their compiles (~1 s each) would not repay, and every "
+                               "boundary moves its values; the graph runs on eager", graph.key, n_ops)
         return LoweredGraph([], declined)
     samples = None
     if any(getattr(d, "calibrates", False) for d in delegates):
