@@ -393,3 +393,57 @@ def test_nan_inf_and_empty_rows_are_eager_s_but_where_a_kernel_is_known_to_diffe
     differ = {name for name, got, ref in zip(EDGE_CASES, e.output, expected)
               if got.shape != ref.shape or not torch.allclose(got.float(), ref.float(), rtol=1e-5, atol=1e-6, equal_nan=True)}
     assert differ == (set() if verify else EDGE_DIVERGES.get(delegate, set()))
+
+
+@pytest.mark.parametrize("composite", [False, True])
+def test_onnx_export_with_its_registry_made_once_is_torchs_export(composite):
+    """to_onnx exports through a registry kept between partitions (torch.onnx.export makes one per
+    call): the same ONNX graph as torch.onnx.export's, for the default opset and for opset 23 (a
+    composite ONNX Runtime runs as one kernel), twice in a row."""
+    pytest.importorskip("onnxscript")
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchnative.delegates import onnx_export
+    from torchnative.ir import CapturedGraph
+    from torchnative.passes.fuse import rms_norm_op
+
+    def f(x, w):
+        y = torch.nn.functional.gelu(x @ w.t()).softmax(-1)
+        return (rms_norm_op(y, w[0], 1e-6) if composite else y * 2,)
+
+    args = [torch.randn(4, 8), torch.randn(8, 8)]
+    gm = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    for n in gm.graph.nodes:  # as the recorder leaves them: values on the meta device
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    graph = CapturedGraph(gm, ["input"] * 2, ["output"])
+    table = {op: fn for op, fn in onnx_export._translations().items() if op not in onnx_export._OURS}
+    theirs = torch.onnx.export(graph.to_exported_program(), dynamo=True, optimize=False, verbose=False,
+                               opset_version=23 if composite else None, custom_translation_table=table).model_proto
+    for _ in range(2):
+        ours = onnx_export.to_onnx(graph)
+        assert ours.opset_import == theirs.opset_import
+        assert ours.graph.SerializeToString() == theirs.graph.SerializeToString()
+    assert ("RMSNormalization" in {n.op_type for n in ours.graph.node}) == composite
+
+
+def test_composite_ops_torch_export_asks_for_are_remembered_on_the_compile_thread_until_one_is_added():
+    """run_decompositions asks torch for every preservable composite op, which walks all namespaces
+    each time (~0.1 s): on the compile thread the answer is kept until the dispatcher's composite
+    registrations change; other threads get torch's own function's answer."""
+    from torch._export import utils
+    from torch.export import exported_program
+
+    from torchnative.delegates.base import in_clean_thread
+
+    ask = exported_program._collect_all_valid_cia_ops
+    first = in_clean_thread(ask)
+    assert first == utils._collect_all_valid_cia_ops() and in_clean_thread(ask) is first
+    assert ask() is not first and ask() == first  # this thread: torch's, computed anew
+    lib = torch.library.Library("torchnative_test_cia", "DEF")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CompositeImplicitAutograd")
+    then = in_clean_thread(ask)
+    assert torch.ops.torchnative_test_cia.double.default in then and then - first == {torch.ops.torchnative_test_cia.double.default}

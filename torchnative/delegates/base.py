@@ -74,6 +74,33 @@ def _is_exporting() -> bool:
 torch.compiler.is_exporting = _is_exporting
 
 
+def _remember_cia_ops() -> None:
+    """torch.export's `_collect_all_valid_cia_ops` (every run_decompositions asks it, several
+    times: each ONNX Runtime, XNNPACK, IREE or Core ML compile), remembered on the compile thread
+    while the dispatcher's composite registrations and op namespaces stay as they were. torch
+    walks every namespace again on each call, materializing all ~840 composite ops per namespace:
+    ~0.1 s each time here. Other threads (a user's own export) get torch's function as it is."""
+    from torch._export import utils
+    from torch.export import decomp_utils, exported_program
+
+    collect, memo = utils._collect_all_valid_cia_ops, {}
+
+    def collect_once() -> Any:
+        if _tracer != threading.get_ident():
+            return collect()
+        key = (len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
+               tuple(torch.ops._dir))
+        if key not in memo:
+            memo.clear()
+            memo[key] = frozenset(collect())
+        return memo[key]
+
+    exported_program._collect_all_valid_cia_ops = decomp_utils._collect_all_valid_cia_ops = collect_once
+
+
+_remember_cia_ops()
+
+
 def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` on a thread whose dispatch state is fresh. A cut flushes from inside
     __torch_dispatch__, where torch has excluded the Python dispatch key for this thread; tracing

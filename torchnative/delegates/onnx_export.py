@@ -386,5 +386,31 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
             exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
                                                          for op in _DECOMPOSED_WHERE})
-        return torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, opset_version=23 if composite else None,
-                                 custom_translation_table=table).model_proto
+        return _export(exported, 23 if composite else None, tuple(table.items()))
+
+
+def _export(exported, opset: int | None, table: tuple):
+    """What `torch.onnx.export(exported, dynamo=True, optimize=False, opset_version=opset,
+    custom_translation_table=dict(table))` returns, with the registry made once per opset and
+    table: torch.onnx.export makes it anew on every call, parsing the source of ~2000 torchlib
+    functions (~0.3 s of every partition's compile)."""
+    from torch.onnx._internal.exporter import _core
+    from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
+    from torch.onnx._internal.exporter._dynamic_shapes import convert_str_to_export_dim
+
+    opset = opset or torch.onnx._constants.ONNX_DEFAULT_OPSET
+    shapes, _ = convert_str_to_export_dim({})
+    return _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
+                        verbose=False, optimize=False, opset_version=opset).model_proto
+
+
+@functools.lru_cache(maxsize=16)
+def _registry(opset: int, table: tuple):
+    """torchlib's registry at `opset` with our translations `table` ((op, function) pairs) first,
+    as torch.onnx.export builds it; the export only reads it."""
+    from torch.onnx._internal.exporter import _registration
+
+    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    for op, fn in table:
+        registry.register_op(op, fn, is_complex=False)
+    return registry
