@@ -395,14 +395,41 @@ def test_nan_inf_and_empty_rows_are_eager_s_but_where_a_kernel_is_known_to_diffe
     assert differ == (set() if verify else EDGE_DIVERGES.get(delegate, set()))
 
 
-@pytest.mark.parametrize("composite", [False, True])
-def test_onnx_export_with_its_registry_made_once_is_torchs_export(composite):
+def _canonical(model) -> bytes:
+    """An ONNX graph without its annotations (source lines, fx node text), its values and nodes
+    named by their order: what the export computes, not what it calls things."""
+    g = type(model.graph)()
+    g.CopyFrom(model.graph)
+    names: dict = {}
+
+    def named(x: str) -> str:
+        return x and names.setdefault(x, f"v{len(names)}")
+
+    for v in (*g.input, *g.initializer):
+        v.name = named(v.name)
+    for i, n in enumerate(g.node):
+        del n.metadata_props[:]
+        n.name = f"n{i}"
+        n.input[:] = [named(x) for x in n.input]
+        n.output[:] = [named(x) for x in n.output]
+    for v in (*g.value_info, *g.output):
+        v.name = named(v.name)
+    g.value_info.sort(key=lambda v: v.name)
+    del g.metadata_props[:]
+    return g.SerializeToString()
+
+
+@pytest.mark.parametrize("graph_kind", ["plain", "composite", "decomposed"])
+def test_onnx_export_with_its_registry_kept_is_torchs_export(graph_kind, monkeypatch):
     """to_onnx exports through a registry kept between partitions (torch.onnx.export makes one per
-    call): the same ONNX graph as torch.onnx.export's, for the default opset and for opset 23 (a
-    composite ONNX Runtime runs as one kernel), twice in a row."""
+    call) and skips the exporter's decomposition where it would change nothing (a retrace of the
+    whole graph): the same ONNX graph as torch.onnx.export's, up to names and annotations — for
+    the default opset, for opset 23 (a composite ONNX Runtime runs as one kernel), and for an op
+    the exporter decomposes (aminmax), which still goes through its decomposition."""
     pytest.importorskip("onnxscript")
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.onnx._internal.exporter import _fx_passes
 
     from torchnative.delegates import onnx_export
     from torchnative.ir import CapturedGraph
@@ -410,23 +437,35 @@ def test_onnx_export_with_its_registry_made_once_is_torchs_export(composite):
 
     def f(x, w):
         y = torch.nn.functional.gelu(x @ w.t()).softmax(-1)
-        return (rms_norm_op(y, w[0], 1e-6) if composite else y * 2,)
+        if graph_kind == "decomposed":
+            return torch.ops.aten.aminmax.default(y, dim=-1)
+        return (rms_norm_op(y, w[0], 1e-6) if graph_kind == "composite" else y * 2,)
 
     args = [torch.randn(4, 8), torch.randn(8, 8)]
-    gm = make_fx(f, decomposition_table=core_aten_decompositions())(*args)
+    table = None if graph_kind == "decomposed" else core_aten_decompositions()
+    gm = make_fx(f, decomposition_table=table)(*args) if table else make_fx(f)(*args)
     for n in gm.graph.nodes:  # as the recorder leaves them: values on the meta device
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):
             n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-    graph = CapturedGraph(gm, ["input"] * 2, ["output"])
-    table = {op: fn for op, fn in onnx_export._translations().items() if op not in onnx_export._OURS}
+        elif isinstance(v, tuple):
+            n.meta["val"] = tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in v)
+    graph = CapturedGraph(gm, ["input"] * 2, ["output"] * (2 if graph_kind == "decomposed" else 1))
+    translations = {op: fn for op, fn in onnx_export._translations().items() if op not in onnx_export._OURS}
     theirs = torch.onnx.export(graph.to_exported_program(), dynamo=True, optimize=False, verbose=False,
-                               opset_version=23 if composite else None, custom_translation_table=table).model_proto
+                               opset_version=23 if graph_kind == "composite" else None,
+                               custom_translation_table=translations).model_proto
+    decompositions = []
+    decompose = _fx_passes.decompose_with_registry
+    monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda *a: decompositions.append(1) or decompose(*a))
     for _ in range(2):
         ours = onnx_export.to_onnx(graph)
         assert ours.opset_import == theirs.opset_import
-        assert ours.graph.SerializeToString() == theirs.graph.SerializeToString()
-    assert ("RMSNormalization" in {n.op_type for n in ours.graph.node}) == composite
+        assert _canonical(ours) == _canonical(theirs)
+    ops = {n.op_type for n in ours.graph.node}
+    assert ("RMSNormalization" in ops) == (graph_kind == "composite")
+    assert len(decompositions) == (2 if graph_kind == "decomposed" else 0)
+    assert graph_kind != "decomposed" or {"ReduceMin", "ReduceMax"} <= ops
 
 
 def test_composite_ops_torch_export_asks_for_are_remembered_on_the_compile_thread_until_one_is_added():

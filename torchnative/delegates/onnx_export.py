@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import operator
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -78,11 +79,14 @@ _DECOMPOSED_WHERE = {
 
 
 @functools.cache
-def torchlib_registry():
+def _torchlib(opset: int):
+    """torchlib's registry at `opset`, made once: torch.onnx.export makes it anew on every call,
+    parsing the source of ~2000 torchlib functions (0.4-0.6 s). Made here in the process that
+    partitions (`translated`), before a background compile's fork, the forks have it too."""
     from torch.onnx._internal.exporter import _registration
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    return _registration.ONNXRegistry.from_torchlib()
+    return _registration.ONNXRegistry.from_torchlib(opset_version=opset)
 
 
 @functools.cache
@@ -366,7 +370,9 @@ def translated(op: torch._ops.OpOverload) -> bool:
     """Does the export translate op? torchlib's or our translation; or, for an op the door keeps
     whole that torchlib lacks (recording.ops.KEPT_WHOLE), the exporter's own decomposition of it
     with torch's table: the ops the door would otherwise have recorded."""
-    return torchlib_registry().is_registered(op) or op in _translations() or op in BATCH_NORM_TRAINING or \
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+
+    return _torchlib(ONNX_DEFAULT_OPSET).is_registered(op) or op in _translations() or op in BATCH_NORM_TRAINING or \
         (op in KEPT_WHOLE and op not in _WRONG_DECOMPOSITIONS)
 
 
@@ -391,17 +397,51 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
 
 def _export(exported, opset: int | None, table: tuple):
     """What `torch.onnx.export(exported, dynamo=True, optimize=False, opset_version=opset,
-    custom_translation_table=dict(table))` returns, with the registry made once per opset and
-    table: torch.onnx.export makes it anew on every call, parsing the source of ~2000 torchlib
-    functions (~0.3 s of every partition's compile)."""
-    from torch.onnx._internal.exporter import _core
+    custom_translation_table=dict(table))` returns, with torchlib's registry made once (`_torchlib`)."""
+    from torch.onnx._internal.exporter import _core, _fx_passes
     from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
     from torch.onnx._internal.exporter._dynamic_shapes import convert_str_to_export_dim
 
     opset = opset or torch.onnx._constants.ONNX_DEFAULT_OPSET
     shapes, _ = convert_str_to_export_dim({})
-    return _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
-                        verbose=False, optimize=False, opset_version=opset).model_proto
+    decompose = functools.partial(_decompose_where_needed, _fx_passes.decompose_with_registry)
+    with mock.patch.object(_fx_passes, "decompose_with_registry", decompose):
+        return _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
+                            verbose=False, optimize=False, opset_version=opset).model_proto
+
+
+def _decompose_where_needed(decompose, exported, registry):
+    """The exporter's decomposition (torch's decompositions of the ops ONNX has no translation
+    for, of composite ops and of ops with Python kernels its retrace runs, like upsample_bilinear2d's
+    autograd one; and functionalization), skipped for a program it would leave as it is: our
+    graphs are Core ATen and functional already, and its retrace of the whole graph was half a
+    partition's compile (~0.3 s)."""
+    decomposed = _decomposed(registry)
+
+    def as_is(target) -> bool:
+        if target in _SIZE_ARITHMETIC:
+            return True
+        return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and \
+            target not in decomposed and set(target.py_kernels) <= {torch._C.DispatchKey.Meta} and \
+            not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
+
+    if all(n.op != "call_function" or as_is(n.target) for n in exported.graph.nodes):
+        return exported
+    return decompose(exported, registry)
+
+
+_SIZE_ARITHMETIC = frozenset({operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
+                              operator.mod, operator.neg})
+
+
+@functools.lru_cache(maxsize=16)
+def _decomposed(registry) -> frozenset:
+    """The ops the exporter decomposes with this registry (torch's decompositions of the ops it has
+    no translation for)."""
+    from torch.onnx._internal.exporter import _decomp
+
+    implemented = set(_decomp.get_onnx_implemented_overloads(registry))
+    return frozenset(_decomp.create_onnx_friendly_decomposition_table(implemented))
 
 
 @functools.lru_cache(maxsize=16)
@@ -410,7 +450,10 @@ def _registry(opset: int, table: tuple):
     as torch.onnx.export builds it; the export only reads it."""
     from torch.onnx._internal.exporter import _registration
 
-    registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    base = _torchlib(opset)
+    registry = _registration.ONNXRegistry()
+    registry._opset_version = base.opset_version
+    registry.functions = {k: list(v) for k, v in base.functions.items()}  # register_op inserts into these lists
     for op, fn in table:
         registry.register_op(op, fn, is_complex=False)
     return registry
