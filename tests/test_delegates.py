@@ -486,3 +486,30 @@ def test_composite_ops_torch_export_asks_for_are_remembered_on_the_compile_threa
     lib.impl("double", lambda x: x * 2, "CompositeImplicitAutograd")
     then = in_clean_thread(ask)
     assert torch.ops.torchnative_test_cia.double.default in then and then - first == {torch.ops.torchnative_test_cia.double.default}
+
+
+def test_weights_written_apart_from_the_onnx_model_are_what_externalizing_them_after_made():
+    """ort's compile asks the export for its weights as external references (no 474 MB serialized
+    to be dropped again): the same model, byte for byte, as exporting them and externalizing after."""
+    pytest.importorskip("onnxscript")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchnative.delegates import onnx_export
+    from torchnative.delegates.ort import _externalize
+    from torchnative.ir import CapturedGraph
+
+    def f(x, w, b):
+        return (torch.ops.aten.addmm.default(b, x, w).relu(),)
+
+    args = [torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)]
+    gm = make_fx(f)(*args)
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            n.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    graph = CapturedGraph(gm, ["input", "param", "param"], ["output"], dict(zip(names[1:], args[1:])))
+    after, apart = onnx_export.to_onnx(graph), onnx_export.to_onnx(graph, weights_apart=True)
+    assert [i.name for i in apart.graph.initializer if i.raw_data] == []
+    assert _externalize(after, graph.constants) == _externalize(apart, graph.constants) == names[1:]
+    assert after.SerializeToString() == apart.SerializeToString()

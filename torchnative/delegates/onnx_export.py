@@ -376,11 +376,14 @@ def translated(op: torch._ops.OpOverload) -> bool:
         (op in KEPT_WHOLE and op not in _WRONG_DECOMPOSITIONS)
 
 
-def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
+def to_onnx(graph: CapturedGraph, ranges: dict | None = None, weights_apart: bool = False):
     """The graph as an ONNX ModelProto (torchlib's translation of its ExportedProgram); its
     constants are initializers named like their placeholders. Opset 23 where a composite needs
     its kernels, else the exporter's default (20): plain graphs ran 1-2 % slower at 23. `ranges`
-    gets the ranges of the symbols the export narrowed (torchnative.sizes.exported_ranges)."""
+    gets the ranges of the symbols the export narrowed (torchnative.sizes.exported_ranges).
+    `weights_apart`: the graph's weights are initializers without data, external references named
+    `<name>.weight`, which the runtime is given by name (serializing GPT-2 small's 474 MB into the
+    model only to drop them again took ~0.7 s a program)."""
     nodes = graph.gm.graph.nodes
     composite = any(n.target in _COMPOSITE_OPS for n in nodes)
     needed = {n.target for n in nodes if n.target in _OURS and _OURS[n.target](n)}
@@ -392,12 +395,13 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None):
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
             exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
                                                          for op in _DECOMPOSED_WHERE})
-        return _export(exported, 23 if composite else None, tuple(table.items()))
+        return _export(exported, 23 if composite else None, tuple(table.items()), graph.constants if weights_apart else {})
 
 
-def _export(exported, opset: int | None, table: tuple):
+def _export(exported, opset: int | None, table: tuple, apart: dict):
     """What `torch.onnx.export(exported, dynamo=True, optimize=False, opset_version=opset,
     custom_translation_table=dict(table))` returns, with torchlib's registry made once (`_torchlib`)."""
+    import onnx_ir as ir
     from torch.onnx._internal.exporter import _core, _fx_passes
     from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
     from torch.onnx._internal.exporter._dynamic_shapes import convert_str_to_export_dim
@@ -406,8 +410,13 @@ def _export(exported, opset: int | None, table: tuple):
     shapes, _ = convert_str_to_export_dim({})
     decompose = functools.partial(_decompose_where_needed, _fx_passes.decompose_with_registry)
     with mock.patch.object(_fx_passes, "decompose_with_registry", decompose):
-        return _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
-                            verbose=False, optimize=False, opset_version=opset).model_proto
+        program = _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
+                               verbose=False, optimize=False, opset_version=opset)
+    for name, value in program.model.graph.initializers.items():
+        t, data = apart.get(name), value.const_value
+        if t is not None and data is not None and t.numel() > 1 and tuple(data.shape) == tuple(t.shape):
+            value.const_value = ir.ExternalTensor(f"{name}.weight", None, None, data.dtype, shape=data.shape, name=name)
+    return program.model_proto
 
 
 def _decompose_where_needed(decompose, exported, registry):

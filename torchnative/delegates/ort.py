@@ -49,11 +49,13 @@ def _externalize(model, constants: dict[str, torch.Tensor]) -> list[str]:
     for init in model.graph.initializer:
         t = constants.get(init.name)
         if t is not None and t.numel() > 1 and list(init.dims) == list(t.shape):
+            moved.append(init.name)
+            if init.data_location == onnx.TensorProto.EXTERNAL:  # to_onnx(weights_apart=True) wrote it so
+                continue
             external_data_helper.set_external_data(init, location=f"{init.name}.weight")
             for data in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
                 init.ClearField(data)
             init.data_location = onnx.TensorProto.EXTERNAL
-            moved.append(init.name)
     return moved
 
 
@@ -135,7 +137,7 @@ class OnnxRuntime:
                    for n in graph.outputs()]
         graph, written = _functional_writes(graph)
         ranges: dict = {}
-        model = to_onnx(graph, ranges)
+        model = to_onnx(graph, ranges, weights_apart=True)
         recipe = low_bit_layouts(model)
         made = laid_out(recipe, graph.constants)
         if made:
