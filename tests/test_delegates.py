@@ -468,6 +468,27 @@ def test_onnx_export_with_its_registry_kept_is_torchs_export(graph_kind, monkeyp
     assert graph_kind != "decomposed" or {"ReduceMin", "ReduceMax"} <= ops
 
 
+def test_torchlib_registry_is_torchs_without_its_signatures_inferred_up_front():
+    """The kept registry has the functions ONNXRegistry.from_torchlib registers, op for op and in
+    its order, but infers no ONNX signature for onnxscript's ~500 functions until an export calls
+    one (inferring them parsed their source; torch's own come with theirs). That the exports are
+    the same is test_onnx_export_with_its_registry_kept_is_torchs_export's."""
+    pytest.importorskip("onnxscript")
+    from torch.onnx._internal.exporter import _registration
+
+    from torchnative.delegates import onnx_export
+
+    onnx_export._torchlib.cache_clear()
+    ours = onnx_export._torchlib(20)
+    assert sum(m.signature is None for metas in ours.functions.values() for m in metas) > 400
+    theirs = _registration.ONNXRegistry.from_torchlib(20)
+
+    def entries(registry):
+        return {k: [(m.onnx_function, m.fx_target, m.is_complex, m.opset_introduced) for m in v]
+                for k, v in registry.functions.items()}
+    assert len(theirs.functions) > 400 and entries(ours) == entries(theirs)
+
+
 def test_composite_ops_torch_export_asks_for_are_remembered_on_the_compile_thread_until_one_is_added():
     """run_decompositions asks torch for every preservable composite op, which walks all namespaces
     each time (~0.1 s): on the compile thread the answer is kept until the dispatcher's composite

@@ -80,13 +80,31 @@ _DECOMPOSED_WHERE = {
 
 @functools.cache
 def _torchlib(opset: int):
-    """torchlib's registry at `opset`, made once: torch.onnx.export makes it anew on every call,
-    parsing the source of ~2000 torchlib functions (0.4-0.6 s). Made here in the process that
+    """torchlib's registry at `opset`, made once: torch.onnx.export makes it anew on every call.
+    Made as `ONNXRegistry.from_torchlib` makes it, except that a function's ONNX signature is left
+    to the export of a node that calls it (torch's graph builder infers it then, and the dispatch
+    never reads it): inferring all ~500 parses each function's source (0.45 s; ~10 s on a
+    background build's thread, whose Python runs in slices). Made here in the process that
     partitions (`translated`), before a background compile's fork, the forks have it too."""
+    from onnxscript.function_libs.torch_lib import ops as _, registration
     from torch.onnx._internal.exporter import _registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    return _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    registry = _registration.ONNXRegistry()
+    registry._opset_version = opset
+    for meta in _torchlib_registry.get_torchlib_ops():
+        registry._register(meta.fx_target, meta)
+    for name, functions in registration.default_registry.items():
+        target = None if name.startswith("internal::") else _registration._get_overload(name)
+        if target is None:
+            continue
+        for function, is_complex in [(f, False) for f in functions.overloads] + [(f, True) for f in functions.complex]:
+            registry._register(target, _registration.OnnxDecompMeta(
+                onnx_function=function, fx_target=target, signature=None, is_complex=is_complex,
+                skip_signature_inference=True))
+    registry._cleanup_registry_based_on_opset_version()
+    return registry
 
 
 @functools.cache
