@@ -414,6 +414,8 @@ def _canonical(model) -> bytes:
         n.output[:] = [named(x) for x in n.output]
     for v in (*g.value_info, *g.output):
         v.name = named(v.name)
+    for v in (*g.input, *g.value_info, *g.output):
+        del v.metadata_props[:]
     g.value_info.sort(key=lambda v: v.name)
     del g.metadata_props[:]
     return g.SerializeToString()
@@ -422,10 +424,12 @@ def _canonical(model) -> bytes:
 @pytest.mark.parametrize("graph_kind", ["plain", "composite", "decomposed"])
 def test_onnx_export_with_its_registry_kept_is_torchs_export(graph_kind, monkeypatch):
     """to_onnx exports through a registry kept between partitions (torch.onnx.export makes one per
-    call) and skips the exporter's decomposition where it would change nothing (a retrace of the
-    whole graph): the same ONNX graph as torch.onnx.export's, up to names and annotations — for
-    the default opset, for opset 23 (a composite ONNX Runtime runs as one kernel), and for an op
-    the exporter decomposes (aminmax), which still goes through its decomposition."""
+    call), makes the ExportedProgram itself where torch.export's trace would give the graph back
+    as it is, and skips the exporter's decomposition where it would change nothing (a retrace of
+    the whole graph): the same ONNX graph as torch.onnx.export's of torch.export's program, up to
+    names and annotations — for the default opset, for opset 23 (a composite ONNX Runtime runs as
+    one kernel), and for an op the exporter decomposes (aminmax), which still goes through
+    torch.export and the exporter's decomposition."""
     pytest.importorskip("onnxscript")
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -455,16 +459,18 @@ def test_onnx_export_with_its_registry_kept_is_torchs_export(graph_kind, monkeyp
     theirs = torch.onnx.export(graph.to_exported_program(), dynamo=True, optimize=False, verbose=False,
                                opset_version=23 if graph_kind == "composite" else None,
                                custom_translation_table=translations).model_proto
-    decompositions = []
+    decompositions, traced = [], []
     decompose = _fx_passes.decompose_with_registry
     monkeypatch.setattr(_fx_passes, "decompose_with_registry", lambda *a: decompositions.append(1) or decompose(*a))
+    trace = CapturedGraph.to_exported_program
+    monkeypatch.setattr(CapturedGraph, "to_exported_program", lambda *a: traced.append(1) or trace(*a))
     for _ in range(2):
         ours = onnx_export.to_onnx(graph)
         assert ours.opset_import == theirs.opset_import
         assert _canonical(ours) == _canonical(theirs)
     ops = {n.op_type for n in ours.graph.node}
     assert ("RMSNormalization" in ops) == (graph_kind == "composite")
-    assert len(decompositions) == (2 if graph_kind == "decomposed" else 0)
+    assert len(decompositions) == len(traced) == (2 if graph_kind == "decomposed" else 0)
     assert graph_kind != "decomposed" or {"ReduceMin", "ReduceMax"} <= ops
 
 

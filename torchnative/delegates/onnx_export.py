@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch._decomp import decomposition_table
 
 from torchnative.ir import CapturedGraph
-from torchnative.sizes import exported_ranges
+from torchnative.sizes import exported_ranges, is_symbolic
 from torchnative.passes.fuse import gelu_tanh_op, quantized_mm_op, rms_norm_op, rope_op
 from torchnative.recording.ops import DECOMPOSITIONS, KEPT_WHOLE
 from torchnative.quiet import quiet
@@ -405,7 +405,17 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None, weights_apart: boo
     nodes = graph.gm.graph.nodes
     composite = any(n.target in _COMPOSITE_OPS for n in nodes)
     needed = {n.target for n in nodes if n.target in _OURS and _OURS[n.target](n)}
-    table = {op: fn for op, fn in _translations().items() if op in needed or op not in _OURS}
+    table = tuple((op, fn) for op, fn in _translations().items() if op in needed or op not in _OURS)
+    from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
+
+    opset = 23 if composite else torch.onnx._constants.ONNX_DEFAULT_OPSET
+    registry = _registry(max(opset, TORCHLIB_OPSET), table)
+    apart = graph.constants if weights_apart else {}
+    if not any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
+        exported = _as_exported(graph, registry)
+        if exported is not None:
+            with quiet():
+                return _export(exported, opset, registry, apart)
     exported = graph.to_exported_program()
     if ranges is not None:
         ranges.update(exported_ranges(exported, graph.gm))
@@ -413,22 +423,63 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None, weights_apart: boo
         if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
             exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
                                                          for op in _DECOMPOSED_WHERE})
-        return _export(exported, 23 if composite else None, tuple(table.items()), graph.constants if weights_apart else {})
+        return _export(exported, opset, registry, apart)
 
 
-def _export(exported, opset: int | None, table: tuple, apart: dict):
+def _as_exported(graph: CapturedGraph, registry) -> "torch.export.ExportedProgram | None":
+    """The ExportedProgram torch.export makes of the graph, made without tracing it again (0.3-0.7 s
+    a partition: half of an ONNX Runtime compile), for a graph the trace would give back as it is:
+    sizes fixed, Core ATen ops that are functional, have no composite or Python kernel and are not
+    ones the exporter decomposes, and tensors out. Its constants are buffers as there, its values
+    fake tensors as there. None for any other graph (torch.export it is)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export import ExportedProgram
+    from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind,
+                                              OutputSpec, TensorArgument)
+
+    decomposed = _decomposed(registry)
+    outputs = graph.output_node().args[0]
+    if is_symbolic(graph.gm) or not all(n.op in ("placeholder", "output") or (n.op == "call_function" and
+                                            _kept(n.target, decomposed)) for n in graph.gm.graph.nodes) \
+            or not all(isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) for o in outputs):
+        return None
+    mode = FakeTensorMode()
+
+    def fake(v):
+        if isinstance(v, torch.Tensor):
+            return mode.from_tensor(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype))
+        return type(v)(map(fake, v)) if isinstance(v, (tuple, list)) else v
+
+    root, g, env, specs = torch.nn.Module(), fx.Graph(), {}, []
+    for n in graph.gm.graph.nodes:
+        if n.op == "output":
+            g.output(tuple(env[o] for o in outputs))
+            continue
+        env[n] = g.node_copy(n, env.__getitem__)
+        env[n].meta = {"val": fake(n.meta.get("val"))}
+        if n.op == "placeholder" and n.name in graph.constants:
+            root.register_buffer(n.name, graph.constants[n.name].detach())
+            specs.append(InputSpec(InputKind.BUFFER, TensorArgument(n.name), target=n.name, persistent=True))
+        elif n.op == "placeholder":
+            specs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(env[n].name), target=None))
+    gm = fx.GraphModule(root, g)
+    signature = ExportGraphSignature(specs, [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[o].name), target=None)
+                                             for o in outputs])
+    return ExportedProgram(root=gm, graph=gm.graph, graph_signature=signature, state_dict=dict(root.named_buffers()),
+                           range_constraints={}, module_call_graph=[], example_inputs=None, constants={})
+
+
+def _export(exported, opset: int, registry, apart: dict):
     """What `torch.onnx.export(exported, dynamo=True, optimize=False, opset_version=opset,
-    custom_translation_table=dict(table))` returns, with torchlib's registry made once (`_torchlib`)."""
+    custom_translation_table=...)` returns, with torchlib's registry made once (`_registry`)."""
     import onnx_ir as ir
     from torch.onnx._internal.exporter import _core, _fx_passes
-    from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
     from torch.onnx._internal.exporter._dynamic_shapes import convert_str_to_export_dim
 
-    opset = opset or torch.onnx._constants.ONNX_DEFAULT_OPSET
     shapes, _ = convert_str_to_export_dim({})
     decompose = functools.partial(_decompose_where_needed, _fx_passes.decompose_with_registry)
     with mock.patch.object(_fx_passes, "decompose_with_registry", decompose):
-        program = _core.export(exported, registry=_registry(max(opset, TORCHLIB_OPSET), table), dynamic_shapes=shapes,
+        program = _core.export(exported, registry=registry, dynamic_shapes=shapes,
                                verbose=False, optimize=False, opset_version=opset)
     for name, value in program.model.graph.initializers.items():
         t, data = apart.get(name), value.const_value
@@ -444,17 +495,18 @@ def _decompose_where_needed(decompose, exported, registry):
     graphs are Core ATen and functional already, and its retrace of the whole graph was half a
     partition's compile (~0.3 s)."""
     decomposed = _decomposed(registry)
-
-    def as_is(target) -> bool:
-        if target in _SIZE_ARITHMETIC:
-            return True
-        return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and \
-            target not in decomposed and set(target.py_kernels) <= {torch._C.DispatchKey.Meta} and \
-            not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
-
-    if all(n.op != "call_function" or as_is(n.target) for n in exported.graph.nodes):
+    if all(n.op != "call_function" or _kept(n.target, decomposed) for n in exported.graph.nodes):
         return exported
     return decompose(exported, registry)
+
+
+def _kept(target, decomposed: frozenset) -> bool:
+    """Does the exporter's decomposition (and torch.export's trace) leave a node of `target` as it is?"""
+    if target in _SIZE_ARITHMETIC:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable and \
+        target not in decomposed and set(target.py_kernels) <= {torch._C.DispatchKey.Meta} and \
+        not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd")
 
 
 _SIZE_ARITHMETIC = frozenset({operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv,
