@@ -162,6 +162,27 @@ def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
     assert any(name.startswith("torchnative-compile-background") for name in made_on), made_on
 
 
+def test_accelerate_starts_what_onnx_compiles_need_once_on_the_compile_thread(monkeypatch):
+    """accelerate() with background builds gives the compile thread the ONNX delegates' one-time
+    work (the exporter's imports and torchlib's registry) once per process and delegate, before
+    any call; with builds in the call, nothing is started."""
+    from torchnative.delegates import ort, qnn
+
+    ran, submitted = [], []
+    monkeypatch.setattr(program_cache, "_prepared", set())
+    for d in (ort.delegate, qnn.delegate):
+        monkeypatch.setattr(d, "prepare", lambda name=d.name: ran.append((name, threading.current_thread().name)), raising=False)
+    real = program_cache._switch.submit
+    monkeypatch.setattr(program_cache._switch, "submit", lambda fn, *a: submitted.append(fn) or real(fn, *a))
+    torchnative.accelerate(_mlp(), delegates=["ort"], background=False)
+    assert not submitted
+    torchnative.accelerate(_mlp(), background=True)  # the default delegates: ort
+    torchnative.accelerate(_mlp(), delegates=["ort", "qnn"], background=True)
+    torchnative.wait_for_compiles()
+    assert [name for name, _ in ran] == ["ort", "qnn"] and len(submitted) == 2
+    assert all(thread.startswith("torchnative-compile-background") for _, thread in ran)
+
+
 def test_a_weight_written_while_its_program_compiles_is_pinned_not_served_stale(monkeypatch):
     model = _mlp()
     eager = copy.deepcopy(model)

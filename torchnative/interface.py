@@ -103,4 +103,6 @@ class Delegate(Protocol):
 
     def load(self, artifact: Artifact) -> Runner: ...
 
+    # optional: `prepare()`, what its compiles need once per process (imports, tables), run on the
+    # background compile thread when a model is accelerated (cache/program_cache.prepare)
     # optional: `tolerance(graph) -> Tolerance` for a partition's graph (default FLOAT32)

@@ -198,6 +198,26 @@ def background(enabled: bool | None = None) -> Callable[..., Future] | None:
     return _switch.submit if (BACKGROUND if enabled is None else enabled) else None
 
 
+_prepared: set[str] = set()
+
+
+def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
+    """Start, on the compile thread, what the delegates' compiles need once per process (their
+    `prepare`: ONNX's exporter imports and registry, ~0.7 s), when builds run in the background
+    (`enabled`, None: the process's default). Done when a model is accelerated, it runs while the
+    caller is not calling yet, at full speed; left to the first build, it ran in that build's slices
+    (~5 s of a fast-weight scan's 10 s first build)."""
+    from torchnative.delegates import DEFAULT, REGISTRY
+
+    if not (BACKGROUND if enabled is None else enabled):
+        return
+    for name in names if names is not None else DEFAULT:
+        work = getattr(REGISTRY.get(name), "prepare", None)
+        if work is not None and name not in _prepared:
+            _prepared.add(name)
+            _switch.submit(work)
+
+
 class Found(NamedTuple):
     program: Program
     hit: bool        # from the cache, not built for this call

@@ -384,6 +384,15 @@ def laid_out(recipe: dict[str, tuple[str, str]], constants: dict[str, torch.Tens
 _WRONG_DECOMPOSITIONS = frozenset({torch.ops.aten.multilabel_margin_loss_forward.default})
 
 
+def prepare() -> None:
+    """What every export in this process needs once: torchlib imported, its registry made and our
+    translations defined (~0.7 s, mostly imports)."""
+    from torch.onnx._constants import ONNX_DEFAULT_OPSET
+
+    _torchlib(ONNX_DEFAULT_OPSET)
+    _translations()
+
+
 def translated(op: torch._ops.OpOverload) -> bool:
     """Does the export translate op? torchlib's or our translation; or, for an op the door keeps
     whole that torchlib lacks (recording.ops.KEPT_WHOLE), the exporter's own decomposition of it

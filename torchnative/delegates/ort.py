@@ -15,6 +15,7 @@ import torch.fx as fx
 from torchnative import threads
 from torchnative.delegates.base import tensors
 from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, slice_write, to_onnx, translated
+from torchnative.delegates import onnx_export
 from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.fuse import COMPOSITES
@@ -92,6 +93,9 @@ class OnnxRuntime:
         if missing:
             return Availability("unavailable", f"missing {', '.join(missing)}", _HINT)
         return Availability("executes")
+
+    def prepare(self) -> None:
+        onnx_export.prepare()
 
     def tolerance(self, graph: CapturedGraph) -> Tolerance:
         if any(p.meta["val"].dtype == torch.int8 for p in graph.placeholders() if isinstance(p.meta.get("val"), torch.Tensor)):

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from torchnative.interface import Artifact, Availability, Runner, Support, Tolerance
+from torchnative.delegates import onnx_export
 from torchnative.delegates.onnx_export import to_onnx
 from torchnative.delegates.ort import delegate as ort_delegate
 from torchnative.delegates.probe import Probe, random_inputs
@@ -101,6 +102,9 @@ class Qnn:
 
     def tolerance(self, graph: CapturedGraph) -> Tolerance:
         return _HTP
+
+    def prepare(self) -> None:
+        onnx_export.prepare()
 
     def supports(self, node: fx.Node) -> Support:
         verdict = ort_delegate.supports(node)

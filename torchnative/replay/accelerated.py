@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.cache import calibration as _calibration
-from torchnative.cache.program_cache import background, settle_threads
+from torchnative.cache.program_cache import background, prepare, settle_threads
 from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects, sizes_erased
 from torchnative.replay.replayer import Replayer, Entry
@@ -188,6 +188,7 @@ def install(model: torch.nn.Module, delegates: Sequence[str] | None, replay: boo
     settings = Settings(tuple(delegates) if delegates is not None else None, replay, compile_after, quantize, background,
                         new_sizes)
     model.forward = AcceleratedForward(model, original, settings)
+    prepare(settings.delegates, background)
 
 
 def uninstall(model: torch.nn.Module) -> None:
