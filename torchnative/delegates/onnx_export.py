@@ -86,7 +86,7 @@ def _torchlib(opset: int):
     never reads it): inferring all ~500 parses each function's source (0.45 s; ~10 s on a
     background build's thread, whose Python runs in slices). Made here in the process that
     partitions (`translated`), before a background compile's fork, the forks have it too."""
-    from onnxscript.function_libs.torch_lib import ops as _, registration
+    from onnxscript.function_libs.torch_lib import ops, registration  # noqa: F401 (importing ops registers them)
     from torch.onnx._internal.exporter import _registration
     from torch.onnx._internal.exporter._torchlib import _torchlib_registry
 
