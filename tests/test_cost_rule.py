@@ -180,7 +180,7 @@ def test_calls_that_replay_eager_programs_slower_than_eager_run_as_eager(monkeyp
     stats = torchnative.stats()
     assert not _compiled() and stats["not_compiled"]["cost"] >= 1, stats
     assert stats["replays"] >= 1 and stats["eager_calls"] >= 20, stats
-    assert sum(s for s, _ in CACHE.eager_seconds.values()) > 0
+    assert sum(s or 0.0 for s, _ in CACHE.eager_seconds.values()) > 0
 
 
 def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays_still_happens(monkeypatch):
@@ -195,10 +195,10 @@ def test_calls_run_as_eager_count_toward_the_cost_rule_and_a_compile_that_repays
     added = []  # what each eager call added to the cost rule's sums
     with torch.no_grad():
         for _ in range(400):
-            calls, spent = torchnative.stats()["eager_calls"], sum(s for s, _ in CACHE.eager_seconds.values())
+            calls, spent = torchnative.stats()["eager_calls"], sum(s or 0.0 for s, _ in CACHE.eager_seconds.values())
             torch.testing.assert_close(_step(model, x), _step(reference, x), rtol=1e-5, atol=1e-6)
             if torchnative.stats()["eager_calls"] > calls:
-                added.append(sum(s for s, _ in CACHE.eager_seconds.values()) - spent)
+                added.append(sum(s or 0.0 for s, _ in CACHE.eager_seconds.values()) - spent)
             if _compiled():
                 break
     assert _compiled() and added and all(a > 0 for a in added), added
@@ -222,6 +222,27 @@ def test_calls_at_a_new_size_every_time_run_as_eager_once_recording_them_costs_m
             torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6, msg=f"length {n}")
             torch.testing.assert_close(model.mean, reference.mean, rtol=1e-5, atol=1e-6)
     assert torchnative.stats()["eager_calls"] >= 20, torchnative.stats()  # half: 21-40 seen, by load
+
+
+def test_calls_at_a_new_size_every_time_add_up_to_their_templates_compile(monkeypatch):
+    """Each call at a length never seen (BERT at random lengths) is a graph of its own, seen once:
+    its eager runs count toward the compile of the template its sizes follow (a fit of two sizes
+    is enough), and the call after they repay records and compiles it. With a compile estimated at
+    ~nothing, that is the fourth call (the first runs of a graph and of its template are not
+    counted: one-time work); before, the seconds went to graphs never seen again."""
+    monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 0.0)
+    monkeypatch.setattr(program_cache, "_COMPILE_FLOOR", 1e-9)
+    model = Mlp(64)
+    reference = copy.deepcopy(model)
+    torchnative.accelerate(model, delegates=["ort"], compile_after=None)
+    with torch.no_grad():
+        for i, n in enumerate([96, 300, 40, 138, 68, 261, 238]):
+            x = torch.randn(n, 64)
+            torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5, msg=f"length {n}")
+            if _compiled():
+                break
+    built = [k[0] for k, found in CACHE.programs.items() if found and k[2] != (program_cache.eager,)]
+    assert i == 3 and built and all(isinstance(b, program_cache.Template) for b in built), (i, torchnative.stats())
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

@@ -341,14 +341,19 @@ class ProgramCache:
             return graph, (eager,), _VARYING, None
         needed = COMPILE_AFTER if compile_after is None else compile_after
         if needed > 1 or auto:
-            run_key = (built_for, graph.sig, delegates)
+            # graphs at sizes a template (a candidate too) stands for count as one: calls at a new
+            # size each time (BERT at every length) add their runs up to the template's compile
+            run_key = (template or built_for, graph.sig, delegates)
             seen = self.runs[run_key] = self.runs.get(run_key, 0) + 1
             if seen == 1:
                 self.first[run_key] = [(_ref(t), _state(t)) for t in inputs]
+                if auto:  # its first run's seconds are not counted (None): mostly one-time work, kernels' first calls
+                    self.eager_seconds[run_key] = (None, REPAY * self._estimate(delegates, graph.n_ops))
             if seen < needed:
                 return built_for, (eager,), "", run_key if auto else None
             if auto and not self._compiled((built_for, graph.sig, delegates, quantize), inputs):
-                spent, estimate = self.eager_seconds.get(run_key, (0.0, 0.0))[0], self._estimate(delegates, graph.n_ops)
+                spent = self.eager_seconds.get(run_key, (0.0, 0.0))[0] or 0.0
+                estimate = self._estimate(delegates, graph.n_ops)
                 self.eager_seconds[run_key] = (spent, REPAY * estimate)
                 if spent < REPAY * estimate:
                     events.STATS.not_compiled["cost"] += 1
@@ -363,10 +368,13 @@ class ProgramCache:
         """A graph's run on eager took `seconds` (the cost rule adds them up); has its compile
         repaid now (a replay of it should record again, to compile)?"""
         found = self.eager_seconds.get(run_key)
-        if found is None:  # a first run's seconds are mostly one-time work (kernels' first calls): not counted
+        if found is None:  # not weighed yet (or forgotten): counted once it is
             self.eager_seconds[run_key] = (0.0, math.inf)
             return False
         spent, repays = found
+        if spent is None:  # the first run: not counted
+            self.eager_seconds[run_key] = (0.0, repays)
+            return False
         self.eager_seconds[run_key] = (spent + seconds, repays)
         return spent < repays <= spent + seconds
 
@@ -448,7 +456,7 @@ class ProgramCache:
         """Have a graph's runs on eager repaid its compile (the call that runs it should record, to
         compile it)? Calls run as eager count too (replay/worth.py), and a replay never sees them cross."""
         found = self.eager_seconds.get(run_key)
-        return found is not None and found[0] >= found[1]
+        return found is not None and found[0] is not None and found[0] >= found[1]
 
     def superseded(self, run_key: tuple) -> bool:
         """Has the program its eager runs stood in for (the cost rule's `run_key`, or a background

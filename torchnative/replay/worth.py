@@ -123,6 +123,9 @@ class Worth:
         c.settle()
         if c.waits is not None and c.waits != compiles_finished():  # its program may be ready: look
             c.skip, c.waits = 0, None
+        if any(CACHE.repaid(run_key) for run_key, _ in c.credit):  # a compile repaid: the call records, to compile it
+            c.skip = 0
+            return False
         # eager is timed twice before it is weighed: a module's first eager call may pay one-time
         # work (seen: 7.7 ms for a 0.1 ms MLP), which would then decide for recording for good
         return c.skip > 0 or (len(c.recent_eager) < _EAGER_SAMPLES and c.recorded is not None)
@@ -139,9 +142,8 @@ class Worth:
         if c.skip > 0:
             c.skip -= 1
         c.add(c.recent_eager, seconds, elements, out, measures)
-        for run_key, spent in c.credit:
-            if CACHE.ran(run_key, spent):  # its compile repays: the next call records, and compiles it
-                c.skip = 0
+        for run_key, spent in c.credit:  # once its compile repays, the next call records (eager_next)
+            CACHE.ran(run_key, spent)
         events.STATS.eager_calls += 1
 
     def recorded(self, key: tuple, seconds: float, elements: int, credit: list, compiling: bool, out: Any) -> None:
