@@ -114,6 +114,8 @@ def _writes_in_place(n: fx.Node) -> bool:
 def _grow(nodes: list[fx.Node], label: dict) -> list[list[fx.Node]]:
     """Merge same-label neighbours while the partition graph stays acyclic; groups in a
     deterministic topological order."""
+    if len({label[n] for n in nodes}) == 1:  # one delegate takes them all: one partition, no cycle to close
+        return [list(nodes)] if nodes else []
     index = {n: i for i, n in enumerate(nodes)}
     part = dict(index)
     members = {i: [n] for i, n in enumerate(nodes)}
