@@ -164,23 +164,45 @@ def test_a_background_build_makes_its_graph_on_the_compile_thread(monkeypatch):
 
 def test_accelerate_starts_what_onnx_compiles_need_once_on_the_compile_thread(monkeypatch):
     """accelerate() with background builds gives the compile thread the ONNX delegates' one-time
-    work (the exporter's imports and torchlib's registry) once per process and delegate, before
-    any call; with builds in the call, nothing is started."""
+    work (the exporter's imports and torchlib's registry) once per process and delegate, done
+    while the caller pauses or once other work is given the thread; with builds in the call,
+    nothing is given."""
     from torchnative.delegates import ort, qnn
 
     ran, submitted = [], []
     monkeypatch.setattr(program_cache, "_prepared", set())
+    monkeypatch.setattr(program_cache, "_to_prepare", [])
     for d in (ort.delegate, qnn.delegate):
         monkeypatch.setattr(d, "prepare", lambda name=d.name: ran.append((name, threading.current_thread().name)), raising=False)
-    real = program_cache._switch.submit
-    monkeypatch.setattr(program_cache._switch, "submit", lambda fn, *a: submitted.append(fn) or real(fn, *a))
+    real = program_cache._background.submit
+    monkeypatch.setattr(program_cache._background, "submit", lambda fn, *a: submitted.append(fn) or real(fn, *a))
     torchnative.accelerate(_mlp(), delegates=["ort"], background=False)
     assert not submitted
+    monkeypatch.setattr(program_cache._switch, "last_call", time.perf_counter())  # a call just made
     torchnative.accelerate(_mlp(), background=True)  # the default delegates: ort
     torchnative.accelerate(_mlp(), delegates=["ort", "qnn"], background=True)
+    time.sleep(0.1)
+    assert not ran  # the caller may call again: it waits
+    time.sleep(program_cache._ACTIVE_S)
     torchnative.wait_for_compiles()
-    assert [name for name, _ in ran] == ["ort", "qnn"] and len(submitted) == 2
+    assert [name for name, _ in ran] == ["ort", "qnn"] and len(submitted) == 2  # one job, and wait_for_compiles' own
     assert all(thread.startswith("torchnative-compile-background") for _, thread in ran)
+
+
+def test_the_one_time_work_waiting_for_a_pause_never_holds_up_wait_for_compiles(monkeypatch):
+    """Before any call (no pause to wait for yet), wait_for_compiles() returns: the work it queues
+    behind the waiting one-time work lets that run now."""
+    from torchnative.delegates import ort
+
+    ran = []
+    monkeypatch.setattr(program_cache, "_prepared", set())
+    monkeypatch.setattr(program_cache, "_to_prepare", [])
+    monkeypatch.setattr(ort.delegate, "prepare", lambda: ran.append(1), raising=False)
+    monkeypatch.setattr(program_cache._switch, "last_call", 0.0)
+    torchnative.accelerate(_mlp(), delegates=["ort"], background=True)
+    started = time.perf_counter()
+    torchnative.wait_for_compiles()
+    assert ran == [1] and time.perf_counter() - started < program_cache._ACTIVE_S
 
 
 def test_a_weight_written_while_its_program_compiles_is_pinned_not_served_stale(monkeypatch):

@@ -198,24 +198,43 @@ def background(enabled: bool | None = None) -> Callable[..., Future] | None:
     return _switch.submit if (BACKGROUND if enabled is None else enabled) else None
 
 
+# delegates whose `prepare` was given the compile thread, and those waiting for it (in one job)
 _prepared: set[str] = set()
+_to_prepare: list[Callable[[], None]] = []
+_prepare_lock = threading.Lock()
 
 
 def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
-    """Start, on the compile thread, what the delegates' compiles need once per process (their
-    `prepare`: ONNX's exporter imports and registry, ~0.7 s), when builds run in the background
-    (`enabled`, None: the process's default). Done when a model is accelerated, it runs while the
-    caller is not calling yet, at full speed; left to the first build, it ran in that build's slices
-    (~5 s of a fast-weight scan's 10 s first build)."""
+    """What the delegates' compiles need once per process (their `prepare`: ONNX's exporter imports
+    and registry, ~0.7 s) done on the compile thread while the caller makes no calls, when builds
+    run in the background (`enabled`, None: the process's default). Left to the first build, it ran
+    in that build's slices (~5 s of a fast-weight scan's 10 s first build); run beside a call, it
+    took the call's second core and the GIL (GPT-2's first generate() 3.2 s instead of 2.1). It
+    waits for a pause after a call (the first call comes right after `accelerate`), or for other
+    work given the compile thread (a build, which needs it anyway; `wait_for_compiles`)."""
     from torchnative.delegates import DEFAULT, REGISTRY
 
     if not (BACKGROUND if enabled is None else enabled):
         return
-    for name in names if names is not None else DEFAULT:
-        work = getattr(REGISTRY.get(name), "prepare", None)
-        if work is not None and name not in _prepared:
-            _prepared.add(name)
-            _switch.submit(work)
+    with _prepare_lock:
+        idle = not _to_prepare
+        for name in names if names is not None else DEFAULT:
+            work = getattr(REGISTRY.get(name), "prepare", None)
+            if work is not None and name not in _prepared:
+                _prepared.add(name)
+                _to_prepare.append(work)
+        if idle and _to_prepare:
+            _background.submit(_when_idle)
+
+
+def _when_idle() -> None:
+    # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there)
+    while _background._work_queue.empty() and (not _switch.last_call or time.perf_counter() - _switch.last_call < _ACTIVE_S):
+        time.sleep(_REST_S)
+    with _prepare_lock:
+        works, _to_prepare[:] = list(_to_prepare), []
+    for work in works:
+        work()
 
 
 class Found(NamedTuple):
