@@ -61,7 +61,7 @@ def lower(graph: CapturedGraph, delegates: Sequence[Delegate], inputs: list[torc
         n_ops = len(graph.op_nodes())
         names = "+".join(sorted({p.delegate for p in pieces}))
         events.fallback(names, f"the graph splits into {len(pieces)} {names} partitions between ops no delegate takes "
-                               f"(more than {MAX_PIECES}): their compiles (~0.25 s each, more for large ones) would not repay, and every "
+                               f"(more than {MAX_PIECES}): their compiles (~0.25 s each) would not repay, and every "
                                "boundary moves its values; the graph runs on eager", graph.key, n_ops)
         return LoweredGraph([], declined)
     samples = None
