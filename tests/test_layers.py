@@ -110,6 +110,8 @@ ALLOWED_TABLES = {
     "torchnative.events._listeners": "listeners registered and removed by the inspector",
     "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",
     "torchnative.threads._warned": "one flag",
+    "torchnative.cache.program_cache._prepared": "one name per delegate that has a prepare()",
+    "torchnative.cache.program_cache._to_prepare": "the same delegates' prepare(), emptied when the compile thread runs them",
     "torchnative.threads._yielded": "one entry per thread that asked for a background compile, dropped at its next "
                                     "call once none runs",
     "torchnative.build.verify._warned": "one entry per delegate",
