@@ -420,16 +420,16 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None, weights_apart: boo
     opset = 23 if composite else torch.onnx._constants.ONNX_DEFAULT_OPSET
     registry = _registry(max(opset, TORCHLIB_OPSET), table)
     apart = graph.constants if weights_apart else {}
-    if not any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
-        exported = _as_exported(graph, registry)
-        if exported is not None:
-            with quiet():
-                return _export(exported, opset, registry, apart)
+    decompose = any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes)
+    exported = None if decompose else _as_exported(graph, registry)
+    if exported is not None:
+        with quiet():
+            return _export(exported, opset, registry, apart)
     exported = graph.to_exported_program()
     if ranges is not None:
         ranges.update(exported_ranges(exported, graph.gm))
     with quiet():
-        if any(n.target in _DECOMPOSED_WHERE and _DECOMPOSED_WHERE[n.target](n) for n in nodes):
+        if decompose:
             exported = exported.run_decompositions({op: DECOMPOSITIONS.get(op) or decomposition_table[op]
                                                          for op in _DECOMPOSED_WHERE})
         return _export(exported, opset, registry, apart)
@@ -468,7 +468,7 @@ def _as_exported(graph: CapturedGraph, registry) -> "torch.export.ExportedProgra
         env[n].meta = {"val": fake(n.meta.get("val"))}
         if n.op == "placeholder" and n.name in graph.constants:
             root.register_buffer(n.name, graph.constants[n.name].detach())
-            specs.append(InputSpec(InputKind.BUFFER, TensorArgument(n.name), target=n.name, persistent=True))
+            specs.append(InputSpec(InputKind.BUFFER, TensorArgument(env[n].name), target=n.name, persistent=True))
         elif n.op == "placeholder":
             specs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(env[n].name), target=None))
     gm = fx.GraphModule(root, g)
