@@ -228,9 +228,10 @@ def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
 
 
 def _when_idle() -> None:
-    # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there)
+    # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there;
+    # looked at every 50 ms: each look takes the GIL from a caller that may be running)
     while _background._work_queue.empty() and (not _switch.last_call or time.perf_counter() - _switch.last_call < _ACTIVE_S):
-        time.sleep(_REST_S)
+        time.sleep(_ACTIVE_S / 10)
     with _prepare_lock:
         works, _to_prepare[:] = list(_to_prepare), []
     for work in works:
