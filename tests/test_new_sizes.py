@@ -95,6 +95,60 @@ def test_decode_steps_at_cache_lengths_never_seen_replay_with_eagers_tokens(dele
     assert replayed[:2] == [0, 0] and min(replayed[2:]) >= 5, replayed
 
 
+class Rows(torch.nn.Module):
+    """Outputs that are views Python took of a graph's value: a linear layer over (b, n, 8) runs
+    on the rows flattened and views them back, and the last position is a slice of that."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, y[:, -1]
+
+
+@pytest.mark.parametrize("delegates", [["eager"], ["ort"]])
+def test_views_of_outputs_replay_at_new_sizes_with_the_sizes_of_the_call(delegates):
+    """The views' shapes, strides and offsets follow the call's sizes by rules fitted as the
+    sizes' own: each size never seen between recorded ones replays, each view as eager's."""
+    eager = Rows()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=delegates)
+    clear_caches()
+    torchnative.reset_stats()
+    made = []
+    # 10, 20 fit the template, 30 confirms it; its program's traces at 30, 40, 50 make the span
+    for n in [10, 20, 30, 40, 50, 35, 45, 42, 12]:
+        x = torch.randn(3, n, 8)
+        before = torchnative.stats()["new_size_replays"]
+        with torch.no_grad():
+            got, want = model(x), eager(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+            assert (g.shape, g.stride()) == (w.shape, w.stride())
+            assert g._base is not None  # a view, as eager's is
+        made.append(torchnative.stats()["new_size_replays"] - before)
+    assert made == [0, 0, 0, 0, 0, 1, 1, 1, 0], made  # 12: below the span, recorded
+
+
+def test_a_prompt_of_a_new_length_replays_with_eagers_logits():
+    """GPT-2 at a new batch size and length every call (no cache): the logits are a view of the
+    LM head's product, and sizes between recorded ones replay."""
+    model = models.build("gpt2")
+    model.config.use_cache = False
+    accel = torchnative.accelerate(copy.deepcopy(model), delegates=["eager"])
+    clear_caches()
+    torchnative.reset_stats()
+    gen = torch.Generator().manual_seed(0)
+    for b, n in [(2, 10), (2, 40), (2, 25), (2, 33), (2, 17), (2, 29), (2, 21), (2, 35), (2, 19), (2, 27), (3, 30)]:
+        ids = torch.randint(0, 999, (b, n), generator=gen)
+        with torch.no_grad():
+            got, want = accel(ids).logits, model(ids).logits
+        assert torch.equal(got, want) and got.stride() == want.stride()
+    # 29, 21, 19, 27: inside 17..35, each recorded with the template's program
+    assert torchnative.stats()["new_size_replays"] == 4, torchnative.stats()
+
+
 def test_a_replay_of_an_eager_program_records_once_its_compile_is_built(monkeypatch):
     """A trace that ran a graph's eager program while its compile had not repaid (the cost rule)
     is let go once the delegates' program is built: the next call at its sizes records and runs

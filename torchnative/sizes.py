@@ -41,6 +41,10 @@ class Rule:
     low: int = _LOW
     high: int = HIGH
 
+    def value(self, values: list[int]) -> int:
+        """The integer at the symbols' `values`."""
+        return self.const + self.coef * values[self.symbol] if self.symbol >= 0 else self.const
+
 
 def dense_order(shape: tuple, stride: tuple) -> tuple | None:
     """The dims (of size > 1), outermost first, of a tensor laid out densely in that order; None
@@ -105,7 +109,7 @@ def is_input_size(at: tuple) -> bool:
     return at[1] == "input" and at[3] == "shape"
 
 
-def _relate(x: int, y: int, before: list[int], after: list[int]) -> Rule | None:
+def relate(x: int, y: int, before: list[int], after: list[int]) -> Rule | None:
     """A rule in one of the symbols (values `before` in the first sample, `after` in the second)
     that takes x to y, with a positive coefficient; 1 first."""
     found = None
@@ -141,7 +145,7 @@ class Sizes:
         if not all(lo <= v <= hi for v, (lo, hi) in zip(values, self.ranges)):
             return None
         for rule, x in zip(self.rules, flat.ints):
-            if (rule.const + rule.coef * values[rule.symbol] if rule.symbol >= 0 else rule.const) != x:
+            if rule.value(values) != x:
                 return None
         return values
 
@@ -160,7 +164,7 @@ def fit(a: Flat, b: Flat) -> Sizes | None:
     inputs = {k for k, at in enumerate(b.where) if is_input_size(at)}
     for k in sorted(range(len(b.ints)), key=lambda k: k not in inputs):
         x, y = a.ints[k], b.ints[k]
-        rule = Rule(y) if x == y else _relate(x, y, before, after)
+        rule = Rule(y) if x == y else relate(x, y, before, after)
         if rule is None:
             if k not in inputs or min(x, y) < _LOW:
                 return None

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from torchnative.lru import Lru
 from torchnative.replay.trace import Trace
-from torchnative.sizes import Flat, Sizes, fit
+from torchnative.sizes import Flat, Rule, Sizes, fit, relate
 
 # recordings of a trace at distinct sizes before a new size replays it: two fit the rules, the
 # third confirms them (as a template is confirmed)
@@ -41,6 +41,10 @@ class Span:
     high: list[int] = field(default_factory=list)  # and the greatest
     recorded: int = 1                 # distinct sizes recorded, following the rules
     broken: bool = False              # a size inside it recorded another trace
+    # the integers of the views Python took of its values (`out.view(b, n, V)`: Trace.view_ints)
+    # at `flat`, and once recorded at two sizes, the rule of each in the symbols
+    views: list[int] = field(default_factory=list)
+    view_rules: list[Rule] = field(default_factory=list)
 
     def values(self, flat: Flat) -> list[int] | None:
         """The symbols' values at `flat`'s sizes, if they follow the rules."""
@@ -50,27 +54,46 @@ class Span:
         values = self.values(flat)
         return values is not None and all(lo <= v <= hi for v, lo, hi in zip(values, self.low, self.high))
 
-    def widen(self, flat: Flat) -> None:
-        """The trace recorded again at `flat`'s sizes."""
+    def trace_at(self, flat: Flat) -> Trace:
+        """Its trace at `flat`'s sizes (which it covers): the views' integers from their rules."""
+        values = self.values(flat)
+        return self.trace.with_view_ints([r.value(values) for r in self.view_rules])
+
+    def widen(self, flat: Flat, views: list[int]) -> None:
+        """The trace recorded again at `flat`'s sizes, its views' integers `views`. Views whose
+        integers break their rules (fitted on a coincidence) start the span over: a size the
+        span covers replays views of the sizes its rules give."""
         if flat.ints == self.flat.ints:
             return
         if self.sizes is None:
             self.sizes = fit(self.flat, flat)
             if self.sizes is not None:
                 before, after = (self.sizes.match(f) for f in (self.flat, flat))
-                if before is None or after is None:  # rules no sample follows: fitted on a coincidence
+                rules = _view_rules(self.views, views, before, after) if before and after else None
+                if rules is None:  # rules no sample follows: fitted on a coincidence
                     self.sizes = None
                 else:
                     self.low, self.high = list(map(min, before, after)), list(map(max, before, after))
-                    self.recorded = 2
-            self.flat = flat
+                    self.recorded, self.view_rules = 2, rules
+            self.flat, self.views = flat, views
             return
         values = self.sizes.match(flat)
         if values is None:
             return
+        if [r.value(values) for r in self.view_rules] != views:
+            self.sizes, self.recorded, self.view_rules, self.low, self.high = None, 1, [], [], []
+            self.flat, self.views = flat, views
+            return
         self.low, self.high = list(map(min, self.low, values)), list(map(max, self.high, values))
         self.recorded += 1
-        self.flat = flat
+        self.flat, self.views = flat, views
+
+
+def _view_rules(a: list[int], b: list[int], before: list[int], after: list[int]) -> list[Rule] | None:
+    """Each view integer's rule in the symbols (values `before` at `a`, `after` at `b`), or None
+    where one follows none."""
+    rules = [Rule(y) if x == y else relate(x, y, before, after) for x, y in zip(a, b)]
+    return rules if len(a) == len(b) and None not in rules else None
 
 
 class Spans:
@@ -87,16 +110,17 @@ class Spans:
         spans = self.spans.setdefault(_key(flat), [])
         # a trace whose eager program was compiled since is no longer what these sizes run
         spans[:] = [s for s in spans if not s.trace.superseded()]
-        same = next((s for s in spans if s.trace.same_as(trace)), None)
+        same = next((s for s in spans if s.trace.same_as(trace, sizes=False)), None)
         for s in spans:
             if s is not same and s.covers(flat):
                 s.broken = True  # a size inside it made another trace: a branch on a size
+        views = trace.view_ints()
         if same is None:
-            spans.append(Span(trace, flat))
+            spans.append(Span(trace, flat, views=views))
             del spans[:-_PER_STRUCTURE]
             return
         same.trace = trace  # the same, with the latest tensors it holds by identity
-        same.widen(flat)
+        same.widen(flat, views)
 
     def find(self, flat: Flat) -> Span | None:
         """The span whose trace a call at `flat`'s sizes replays, if exactly one covers them."""

@@ -65,8 +65,9 @@ class Replayer:
             return entry.trace, None
         if self.spans is None:
             return None
-        span = self.spans.find(self._erased(key))
-        return (span.trace, span) if span is not None else None
+        flat = self._erased(key)
+        span = self.spans.find(flat)
+        return (span.trace_at(flat), span) if span is not None else None
 
     def _erased(self, key: tuple) -> Flat:
         if self._flat is None or self._flat[0] is not key:

@@ -139,10 +139,15 @@ class Trace:
         """Does it run an eager program whose delegates' program has been built since?"""
         return any(c.timed is not None and CACHE.superseded(c.timed) for c in self.calls)
 
-    def same_as(self, other: "Trace") -> bool:
+    def same_as(self, other: "Trace", sizes: bool = True) -> bool:
+        """The same programs on the same sources, reads, writes and outputs; without `sizes`, the
+        sizes of the views Python took (`logits = out.view(b, n, V)`) may differ: the trace at
+        another size (replay/new_sizes.py)."""
         def norm(src):
             if src[0] == "lit":
                 return ("lit", src[1].dtype, src[1].item())
+            if src[0] == "view":
+                return ("view", norm(src[1]), *(src[2:] if sizes else (len(src[2]),)))
             return ("const", id(src[1])) if src[0] == "const" else src
 
         def shape(t: Trace) -> list:
@@ -155,9 +160,48 @@ class Trace:
             return [(id(read), tuple(map(id, weights)), value) for read, weights, value in t.checks]
         mine, theirs = shape(self), shape(other)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
-                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs] and self.sets == other.sets
+                and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs]
+                and [(at, norm(src)) for at, src in self.sets] == [(at, norm(src)) for at, src in other.sets]
                 and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets
                 and checks(self) == checks(other))
+
+    def view_ints(self) -> list[int]:
+        """The shapes, strides and offsets of the views among its sources, in one order."""
+        ints: list[int] = []
+        self._map_views(lambda src: ints.extend((*src[2], *src[3], src[4])) or src)
+        return ints
+
+    def with_view_ints(self, ints: list[int]) -> "Trace":
+        """This trace with its views' integers (`view_ints`'s order) replaced by `ints`."""
+        if not ints:
+            return self
+        it = iter(ints)
+
+        def resized(src: tuple) -> tuple:
+            shape = tuple(next(it) for _ in src[2])
+            return ("view", src[1], shape, tuple(next(it) for _ in src[3]), next(it))
+        return self._map_views(resized)
+
+    def _map_views(self, fn: Callable[[tuple], tuple]) -> "Trace":
+        """This trace with `fn` applied to each view among its sources (innermost first), in the
+        order `view_ints` lists them; the same trace when there are none."""
+        def each(src: tuple) -> tuple:
+            return fn(("view", each(src[1]), *src[2:])) if src[0] == "view" else src
+
+        def sources(srcs: tuple) -> tuple:
+            return tuple(map(each, srcs))
+
+        if not any(src[0] == "view" for src in self._sources()):
+            return self
+        calls = tuple(replace(c, sources=sources(c.sources), writes=sources(c.writes))
+                      if any(src[0] == "view" for src in (*c.sources, *c.writes)) else c for c in self.calls)
+        return replace(self, calls=calls, outputs=sources(self.outputs),
+                       sets=tuple((at, each(src)) for at, src in self.sets),
+                       hooks=tuple((h, m, sources(srcs), spec) for h, m, srcs, spec in self.hooks))
+
+    def _sources(self) -> list[tuple]:
+        return [*(src for c in self.calls for src in (*c.sources, *c.writes)), *self.outputs,
+                *(src for _, src in self.sets), *(src for _, _, srcs, _ in self.hooks for src in srcs)]
 
 
 class Miss(NamedTuple):
