@@ -11,6 +11,7 @@ import torchnative
 from tests.conftest import assert_same
 from torchnative import models, sizes
 from torchnative.replay import session
+from torchnative.cache import templates
 from torchnative.cache.program_cache import clear_caches, programs
 from torchnative.cache.templates import annotated
 
@@ -190,3 +191,31 @@ def test_static_delegates_alone_compile_the_graph_at_the_calls_sizes():
     assert "declined" not in str(found), found
     assert found.fallbacks and all(f.delegate == "coreml" and "compile-only" in f.reason for f in found.fallbacks)
     assert sum(f.n_ops for f in found.fallbacks) >= 10
+
+
+class Rows(torch.nn.Module):
+    """A linear layer over (b, n, 8): its matmul runs on the b·n rows flattened, an integer no
+    rule in one symbol describes when b and n both change."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def test_a_fit_no_third_size_followed_makes_way_for_a_new_one(monkeypatch):
+    """Fits of two sizes that no third follows (one batch size's rows beside another's) are
+    dropped, oldest first, when a new pair fits: a model called at a new batch size and length
+    each time still finds a template for each batch size's lengths."""
+    monkeypatch.setattr(templates, "_CANDIDATES", 1)
+    model = torchnative.accelerate(Rows(), delegates=["eager"])
+    clear_caches()
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for b, n in [(2, 10), (3, 10), (4, 20), (4, 30), (4, 40)]:
+            x = torch.randn(b, n, 8)
+            assert_same(model(x), torch.tanh(model.linear(x)))
+    # (2, 10) and (3, 10) fit (b a symbol) and wait for a third; (4, 20) and (4, 30) fit, and 40 confirms
+    assert torchnative.stats()["symbolic_graphs"] == 1, torchnative.stats()

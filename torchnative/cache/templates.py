@@ -30,6 +30,11 @@ class Template:
     sizes: Sizes  # the rules fitted to two graphs' integers (the later one's): they stand for every match
     fitted: set  # the two graphs (Recorded)
     confirmed: bool = False  # a graph at a third size matched it, or one of the two compiled
+    made = 0  # templates made in this process: each one's `serial`
+
+    def __post_init__(self) -> None:
+        self.serial = Template.made
+        Template.made += 1
 
     def narrow(self, ranges: dict[int, tuple[int, int]]) -> None:
         """Sizes out of these ranges (what a program's delegates took) match it no more."""
@@ -45,8 +50,8 @@ class Templates:
         # per skeleton: its recent graphs at distinct sizes, flattened (torchnative.sizes), to fit against
         self.recent = Lru(limit, "recent sizes")
         self.templates = Lru(limit, "templates")
-        # graph -> its template, or None with how many templates its skeleton had then (one
-        # made later, from two other sizes, may match it)
+        # graph -> its template, or None with the serial the next template would have had then
+        # (one made later, from two other sizes, may match it)
         self.matched = Lru(4 * limit, "matched sizes")
 
     def tables(self) -> list[Lru]:
@@ -65,14 +70,14 @@ class Templates:
         seq = self.skeleton(graph)
         templates = self.templates.get(seq, ())
         found, known = self.matched.get(graph, (None, -1))
-        if found is None and known < len(templates):
+        if found is None and (known < 0 or any(t.serial >= known for t in templates)):
             flat = graph.flat()
-            found = next((t for t in templates[max(known, 0):] if t.sizes.match(flat) is not None), None)
+            found = next((t for t in templates if t.serial >= known and t.sizes.match(flat) is not None), None)
             if found is not None and graph not in found.fitted:  # a third size follows the rules two others made
                 confirm(found)
             if found is None and known < 0:
                 found = self._candidate(seq, graph, flat)
-            self.matched[graph] = (found, len(self.templates.get(seq, ())))
+            self.matched[graph] = (found, Template.made)
         return found
 
     def _candidate(self, seq: tuple, graph: Recorded, flat: Flat) -> Template | None:
@@ -82,7 +87,12 @@ class Templates:
         kept = self.templates.setdefault(seq, [])
         for other, other_flat in reversed(self.recent.get(seq, ())):
             sizes = fit(other_flat, flat)
-            if sizes is not None and sum(not t.confirmed for t in kept) < _CANDIDATES:
+            if sizes is not None:
+                # the oldest fit no third size followed makes way (GPT-2 at a new batch size and
+                # length each call leaves fits of one batch size's lengths behind)
+                candidates = [t for t in kept if not t.confirmed]
+                if len(candidates) >= _CANDIDATES:
+                    kept.remove(candidates[0])
                 made = Template(sizes, {other, graph})
                 kept.append(made)
                 break
