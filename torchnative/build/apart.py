@@ -81,7 +81,7 @@ def _child(compile: Callable[[], Artifact], constants: dict, w: int) -> None:
         gc.freeze()
         os.nice(10)
         torch.set_num_threads(1)  # the parent's OpenMP team is not in this process either
-        sys.setprofile(None)  # the compile thread's slices (cache/program_cache.py): no caller here
+        sys.settrace(None)  # the compile thread's slices (cache/program_cache.py): no caller here
         artifact = compile()
         if artifact.live is not None:
             out: tuple = ("live",)
