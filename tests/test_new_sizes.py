@@ -13,7 +13,9 @@ import torchnative
 from torchnative import models, events
 from torchnative.cache import program_cache
 from torchnative.cache.program_cache import clear_caches
+from torchnative.replay.new_sizes import Span
 from torchnative.replay.worth import Worth
+from torchnative.sizes import Flat
 
 
 class Branchy(torch.nn.Module):
@@ -194,3 +196,19 @@ def test_a_call_autograd_records_is_not_replayed_at_sizes_never_seen():
         for a, b in zip(model.parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     assert torchnative.stats()["new_size_replays"] == 0
+
+
+def test_views_that_break_their_rules_start_the_span_over():
+    """A view's integers fitted on two recordings and confirmed by a third give a size between
+    them its view; a recording whose view follows no such rule (fitted on a coincidence) starts
+    the span over, so no size replays a view of a rule that failed."""
+    def flat(n: int) -> Flat:
+        return Flat([("T", torch.float32, 1, (0,)), 0], [n], [(0, "input", 0, "shape", 0)])
+
+    span = Span(None, flat(10), views=[10, 80])
+    span.widen(flat(20), [20, 160])
+    span.widen(flat(30), [30, 240])
+    assert span.recorded == 3 and span.covers(flat(25))
+    assert [r.value(span.values(flat(25))) for r in span.view_rules] == [25, 200]
+    span.widen(flat(40), [40, 999])
+    assert span.recorded == 1 and not span.covers(flat(25))
