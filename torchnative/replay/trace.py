@@ -168,7 +168,13 @@ class Trace:
     def view_ints(self) -> list[int]:
         """The shapes, strides and offsets of the views among its sources, in one order."""
         ints: list[int] = []
-        self._map_views(lambda src: ints.extend((*src[2], *src[3], src[4])) or src)
+
+        def collect(src: tuple) -> None:
+            if src[0] == "view":
+                collect(src[1])
+                ints.extend((*src[2], *src[3], src[4]))
+        for src in self._sources():
+            collect(src)
         return ints
 
     def with_view_ints(self, ints: list[int]) -> "Trace":
@@ -177,22 +183,15 @@ class Trace:
             return self
         it = iter(ints)
 
-        def resized(src: tuple) -> tuple:
-            shape = tuple(next(it) for _ in src[2])
-            return ("view", src[1], shape, tuple(next(it) for _ in src[3]), next(it))
-        return self._map_views(resized)
-
-    def _map_views(self, fn: Callable[[tuple], tuple]) -> "Trace":
-        """This trace with `fn` applied to each view among its sources (innermost first), in the
-        order `view_ints` lists them; the same trace when there are none."""
         def each(src: tuple) -> tuple:
-            return fn(("view", each(src[1]), *src[2:])) if src[0] == "view" else src
+            if src[0] != "view":
+                return src
+            base = each(src[1])
+            shape = tuple(next(it) for _ in src[2])
+            return ("view", base, shape, tuple(next(it) for _ in src[3]), next(it))
 
         def sources(srcs: tuple) -> tuple:
             return tuple(map(each, srcs))
-
-        if not any(src[0] == "view" for src in self._sources()):
-            return self
         calls = tuple(replace(c, sources=sources(c.sources), writes=sources(c.writes))
                       if any(src[0] == "view" for src in (*c.sources, *c.writes)) else c for c in self.calls)
         return replace(self, calls=calls, outputs=sources(self.outputs),
@@ -200,6 +199,7 @@ class Trace:
                        hooks=tuple((h, m, sources(srcs), spec) for h, m, srcs, spec in self.hooks))
 
     def _sources(self) -> list[tuple]:
+        """Every source it names, in the order `with_view_ints` visits them."""
         return [*(src for c in self.calls for src in (*c.sources, *c.writes)), *self.outputs,
                 *(src for _, src in self.sets), *(src for _, _, srcs, _ in self.hooks for src in srcs)]
 
