@@ -18,8 +18,9 @@ size, engines interleaved call by call (each its own model copy), idle gaps betw
 - memory-chat: 2 x 8 `generate()` calls of GPT-2 small at random prompt lengths; resident memory
   growth in each eight (not in the default list: a minute of recording at new sizes).
 
-Per workload and engine: the first call's seconds, calls 5+ and all calls as a ratio to eager's
-(> 1 is faster; for calls 5+ also the median of the per-call ratios), whether outputs equal eager's. Prints tables; writes benchmarks/results/traffic.json.
+Per workload and engine: the first call's seconds, calls 5+, all calls and the last quarter of the
+calls (the steady state) as a ratio to eager's (> 1 is faster; for calls 5+ also the median of the
+per-call ratios), whether outputs equal eager's. Prints tables; writes benchmarks/results/traffic.json.
 """
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def _row(workload: str, seconds: dict, same: dict) -> dict:
         row[f"{k} first x"] = seconds[k][0] / seconds["eager"][0]  # the first call's time, as a multiple of eager's
         row[f"{k} 5+ x"] = sum(seconds["eager"][4:]) / sum(seconds[k][4:])
         row[f"{k} all x"] = sum(seconds["eager"]) / sum(seconds[k])
+        # the steady state: the last quarter of the calls (a compile that repays has landed)
+        quarter = max(len(seconds[k]) // 4, 1)
+        row[f"{k} last quarter x"] = sum(seconds["eager"][-quarter:]) / sum(seconds[k][-quarter:])
         # per call, eager's time over the engine's, the median of calls 5+: a call of a few ms timed
         # once is at the mercy of a scheduler tick, which the sum above is not spared
         row[f"{k} 5+ median x"] = statistics.median(e / s for e, s in zip(seconds["eager"][4:], seconds[k][4:]))
@@ -209,7 +213,7 @@ def ttt(calls: int, compile_: bool) -> dict:
     sequence = torch.randn(2, 64 * calls, 256, generator=torch.Generator().manual_seed(0))
     whole = [lambda m, i=i: m(sequence[:, i * 64:(i + 1) * 64]) for i in range(calls)]
     seconds, same = _interleaved(engines, whole)
-    rows = [_row("ttt forward", seconds, same)]
+    rows = [{**_row("ttt forward", seconds, same), "stats": _stats()}]
     caches = {k: FastWeightCache(len(model.layers), 256) for k in engines}
     for c in caches.values():
         for j, layer in enumerate(model.layers):
@@ -318,7 +322,7 @@ def main() -> None:
     cols = [("workload", "{}"), ("calls", "{}"), ("eager first s", "{:.2f}")]
     for k in engines:
         cols += [(f"{k} first x", "{:.2f}"), (f"{k} 5+ x", "{:.2f}x"), (f"{k} 5+ median x", "{:.2f}x"), (f"{k} all x", "{:.2f}x"),
-                 (f"{k} worst x", "{:.2f}"), (f"{k} same", "{}")]
+                 (f"{k} last quarter x", "{:.2f}x"), (f"{k} worst x", "{:.2f}"), (f"{k} same", "{}")]
     print("first x / worst x: a call's time as a multiple of eager's (lower is better); 5+ x / all x: eager's "
           "time over the engine's (higher is better); 5+ median x: the median of those ratios per call")
     print(table(rows, cols))
