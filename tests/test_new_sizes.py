@@ -14,6 +14,7 @@ from torchnative import models, events
 from torchnative.cache import program_cache
 from torchnative.cache.program_cache import clear_caches
 from torchnative.replay.new_sizes import Span
+from torchnative.replay.replayer import Replayer
 from torchnative.replay.worth import Worth
 from torchnative.sizes import Flat
 
@@ -212,3 +213,25 @@ def test_views_that_break_their_rules_start_the_span_over():
     assert [r.value(span.values(flat(25))) for r in span.view_rules] == [25, 200]
     span.widen(flat(40), [40, 999])
     assert span.recorded == 1 and not span.covers(flat(25))
+
+
+def test_a_decode_step_at_new_lengths_replays_one_trace_object(monkeypatch):
+    """A decode step's views are the same at every length (the logits of one token): its replays
+    at new lengths run one trace, whose outputs' builder is made once."""
+    model = models.build("gpt2")
+    accel = torchnative.accelerate(copy.deepcopy(model), delegates=["eager"])
+    clear_caches()
+    kwargs = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    replayed = []
+    replay = Replayer.replay
+
+    def spy(self, key, found, *args, **kw):
+        if found[1] is not None:  # a span's
+            replayed.append(found[0])
+        return replay(self, key, found, *args, **kw)
+    monkeypatch.setattr(Replayer, "replay", spy)
+    for n in [12, 40, 24]:
+        ids = torch.randint(0, 999, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            assert torch.equal(accel.generate(ids, **kwargs), model.generate(ids, **kwargs))
+    assert len(replayed) >= 5 and len({id(t) for t in replayed}) == 1, len({id(t) for t in replayed})

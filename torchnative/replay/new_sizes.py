@@ -45,6 +45,10 @@ class Span:
     # at `flat`, and once recorded at two sizes, the rule of each in the symbols
     views: list[int] = field(default_factory=list)
     view_rules: list[Rule] = field(default_factory=list)
+    # (trace, its views' integers, the trace at them): the last `trace_at`, which a decode step's
+    # replays ask again and again (its views the same at every length); made anew, a trace builds
+    # its outputs' builder again at its first run (replay/trace.py)
+    made: tuple | None = None
 
     def values(self, flat: Flat) -> list[int] | None:
         """The symbols' values at `flat`'s sizes, if they follow the rules."""
@@ -57,7 +61,10 @@ class Span:
     def trace_at(self, flat: Flat) -> Trace:
         """Its trace at `flat`'s sizes (which it covers): the views' integers from their rules."""
         values = self.values(flat)
-        return self.trace.with_view_ints([r.value(values) for r in self.view_rules])
+        ints = [r.value(values) for r in self.view_rules]
+        if self.made is None or self.made[0] is not self.trace or self.made[1] != ints:
+            self.made = (self.trace, ints, self.trace.with_view_ints(ints))
+        return self.made[2]
 
     def widen(self, flat: Flat, views: list[int]) -> None:
         """The trace recorded again at `flat`'s sizes, its views' integers `views`. Views whose
