@@ -192,10 +192,95 @@ def test_argument_object_whose_python_state_changes_is_not_replayed():
 
     model = torchnative.accelerate(Model())
     counter, x = Counter(), torch.ones(3)
+    torchnative.reset_stats()
     for _ in range(4):
         assert_same(model(x, counter), x * 2)
     assert counter.n == 4
-    assert torchnative.stats()["replay_ineligible"]
+    assert torchnative.stats()["replays"] == 0  # each call finds another count: no trace is valid for it
+
+
+class _LazyCache:
+    """Filled by its first call, as transformers' DynamicCache is: its fields None until then."""
+
+    def __init__(self):
+        self.layers = [_Layer(), _Layer()]
+
+
+class _Layer:
+    def __init__(self):
+        self.keys, self.ready = None, False
+
+
+class _FillsCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        for i, layer in enumerate(cache.layers):
+            if not layer.ready:
+                layer.device = x.device  # a field the call adds
+                layer.keys = torch.tensor([], dtype=x.dtype)
+                layer.ready = True
+            layer.keys = torch.cat([layer.keys, self.proj(x) * (i + 1)])
+        return cache.layers[-1].keys.sum(0)
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_a_cache_the_call_fills_replays_with_its_fields_set(delegate):
+    """A new cache object each call, filled by the call (a prefill's DynamicCache): once two calls
+    made the same trace, a replay sets every field the call set, as eager does."""
+    torch.manual_seed(0)
+    eager = _FillsCache()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate])
+    torchnative.reset_stats()
+    for i in range(5):
+        x = torch.randn(3, 4)
+        got, want = _LazyCache(), _LazyCache()
+        assert_same(model(x, got), eager(x, want), atol=1e-5)
+        for g, w in zip(got.layers, want.layers):
+            assert g.ready is True and g.device == w.device
+            assert_same(g.keys, w.keys, atol=1e-5)
+    assert torchnative.stats()["replays"] >= 2
+
+
+def test_a_cache_the_call_fills_replays_at_new_sizes():
+    """The prefill at a new prompt length each call: a replay at a size no call recorded fills the
+    cache with tensors of that size."""
+    torch.manual_seed(0)
+    eager = _FillsCache()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=["eager"])
+    torchnative.reset_stats()
+    for n in [3, 17, 5, 9, 6, 12, 7, 8, 10, 11]:  # recorded to 12 (a template from the third), then replayed
+        x = torch.randn(n, 4)
+        got, want = _LazyCache(), _LazyCache()
+        with torch.no_grad():  # a call autograd records replays at the sizes it was recorded at only
+            assert_same(model(x, got), eager(x, want), atol=1e-5)
+        for g, w in zip(got.layers, want.layers):
+            assert g.keys.shape == w.keys.shape == (n, 4)
+            assert_same(g.keys, w.keys, atol=1e-5)
+    assert torchnative.stats()["new_size_replays"] >= 3
+
+
+def test_a_call_that_makes_objects_in_its_argument_is_not_replayed():
+    """A replay sets fields; it makes no objects: a call that appends a layer to its cache records."""
+    class Grows:
+        def __init__(self):
+            self.layers = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x, cache):
+            cache.layers.append(x * 2)
+            return x + 1
+
+    model = torchnative.accelerate(Model(), delegates=["eager"])
+    torchnative.reset_stats()
+    for _ in range(4):
+        cache = Grows()
+        assert_same(model(torch.ones(3), cache), torch.ones(3) + 1)
+        assert len(cache.layers) == 1 and torch.equal(cache.layers[0], torch.ones(3) * 2)
+    assert torchnative.stats()["replays"] == 0
+    assert any("length of a list" in why for why in torchnative.stats()["replay_ineligible"])
 
 
 def test_traces_of_argument_objects_no_longer_passed_are_let_go():

@@ -72,6 +72,14 @@ def put(place: tuple, value: Any) -> None:
         setattr(owner, key, value)
 
 
+def put_path(obj: Any, path: tuple, value: Any) -> None:
+    """Set the field `path` leads to from `obj` (a list's index, a dict's key or an attribute's
+    name per step) to `value`."""
+    for key in path[:-1]:
+        obj = obj[key] if type(obj) is list or type(obj) is dict else getattr(obj, key)
+    put((obj, path[-1]), value)
+
+
 def _contents(containers: list) -> list:
     """Each container's length, a dict's keys, and the identity of every item, in one list."""
     out: list = []

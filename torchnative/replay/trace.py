@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torchnative import events
 from torchnative.cache.program_cache import CACHE
 from torchnative.grad import copy_back
-from torchnative.replay.guard import put, real
+from torchnative.replay.guard import put, put_path, real
 from torchnative.replay.watch import module_changes
 from torchnative.build.program import baked_state
 
@@ -121,6 +121,10 @@ class Trace:
     # ((read, weights, value), ...): data Python read of weights alone without a cut
     # (recording.recorder.WeightRead), computed again before the programs run
     checks: tuple = ()
+    # ((i, path), source): a field of argument object i the call set where its structure changed (a
+    # DynamicCache filled on its first call: each layer's keys, values, is_initialized, device);
+    # path: the steps from the object to the field (guard.put_path)
+    fills: tuple = ()
     repaid: bool = field(default=False, compare=False)  # an eager program of it has repaid its compile: record again
 
     def held(self, snapshots: dict) -> "Trace":
@@ -148,7 +152,12 @@ class Trace:
                 return ("lit", src[1].dtype, src[1].item())
             if src[0] == "view":
                 return ("view", norm(src[1]), *(src[2:] if sizes else (len(src[2]),)))
-            return ("const", id(src[1])) if src[0] == "const" else src
+            if src[0] != "const":
+                return src
+            t = src[1]
+            # an empty tensor has no data: one a call makes anew (`torch.tensor([])` that a
+            # DynamicCache's first update concatenates onto) is the same source as the last call's
+            return ("empty", t.shape, t.dtype, t.device) if not t.numel() else ("const", id(t))
 
         def shape(t: Trace) -> list:
             return [(s.program, tuple(map(norm, s.sources)), s.reads, tuple(map(norm, s.writes))) for s in t.calls]
@@ -162,6 +171,7 @@ class Trace:
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs]
                 and [(at, norm(src)) for at, src in self.sets] == [(at, norm(src)) for at, src in other.sets]
+                and [(at, norm(src)) for at, src in self.fills] == [(at, norm(src)) for at, src in other.fills]
                 and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets
                 and checks(self) == checks(other))
 
@@ -196,12 +206,14 @@ class Trace:
                       if any(src[0] == "view" for src in (*c.sources, *c.writes)) else c for c in self.calls)
         return replace(self, calls=calls, outputs=sources(self.outputs),
                        sets=tuple((at, each(src)) for at, src in self.sets),
-                       hooks=tuple((h, m, sources(srcs), spec) for h, m, srcs, spec in self.hooks))
+                       hooks=tuple((h, m, sources(srcs), spec) for h, m, srcs, spec in self.hooks),
+                       fills=tuple((at, each(src)) for at, src in self.fills))  # in _sources' order
 
     def _sources(self) -> list[tuple]:
         """Every source it names, in the order `with_view_ints` visits them."""
         return [*(src for c in self.calls for src in (*c.sources, *c.writes)), *self.outputs,
-                *(src for _, src in self.sets), *(src for _, _, srcs, _ in self.hooks for src in srcs)]
+                *(src for _, src in self.sets), *(src for _, _, srcs, _ in self.hooks for src in srcs),
+                *(src for _, src in self.fills)]
 
 
 class Miss(NamedTuple):
@@ -259,6 +271,8 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
     out = [resolve(o, leaves, produced, snapshots) for o in trace.outputs]
     for (i, k), src in trace.sets:  # what the call put into its argument objects
         put(snapshots[i].places[k], resolve(src, leaves, produced, snapshots))
+    for (i, path), src in trace.fills:
+        put_path(leaves[i], path, resolve(src, leaves, produced, snapshots))
     for hook, module, sources, spec in trace.hooks:
         hook(module, *pytree.tree_unflatten([resolve(x, leaves, produced, snapshots) for x in sources], spec))
     build = trace.__dict__.get("_build")

@@ -155,7 +155,9 @@ class Tracer:
             if any(r is t for run in self.runs[:runs] for r in run[3] for t in tensors):
                 raise Ineligible("Python read data of weights an earlier graph of the call wrote")
             checks.append((read, tensors, value))
-        sets = tuple((at, source(t)) for at, t in _replaced(before, after))
+        replaced, filled = _replaced(before, after)
+        sets = tuple((at, source(t)) for at, t in replaced)
+        fills = tuple((at, source(v)) for at, v in filled)
         outputs, spec = pytree.tree_flatten(out)
         if not is_plain(spec):
             raise Ineligible(f"the output holds a {spec.type.__name__}, an object Python may update")
@@ -171,25 +173,98 @@ class Tracer:
         else:
             offsets = ()
         return Trace(tuple(steps), out_sources, spec, module_changes(), sets, tuple(hooks), self.hook_set, offsets,
-                     tuple(checks))
+                     tuple(checks), fills=fills)
 
 
-def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """((argument, k), new tensor) for each tensor an argument object holds that the call
-    replaced; anything else of its state that changed makes the call ineligible."""
-    replaced = []
+def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> tuple[list, list]:
+    """What the call put into its argument objects: ((argument, k), new tensor) for each tensor an
+    object holds that it replaced (a DynamicCache's keys grown by a step), and where the object's
+    structure changed (a cache filled on its first call: a layer's keys None, then a tensor, and
+    `is_initialized` True), ((argument, path), value) for each field set (`_filled`)."""
+    replaced: list = []
+    filled: list = []
     for i, old in before.items():
         new = after[i]
         if new is old:
             continue
-        if new.obj is not old.obj or _masked(new.state) != _masked(old.state):
+        if new.obj is not old.obj:
             raise Ineligible("the call changed the Python state of an argument object")
+        if _masked(new.state) != _masked(old.state):
+            filled += [((i, path), v) for path, v in _filled(old, new)]
+            continue
         for k, (a, b, place) in enumerate(zip(old.values(), new.values(), new.places)):
             if a is not b:
                 if place is None:
                     raise Ineligible("the call replaced a tensor an argument object holds in a tuple")
                 replaced.append(((i, k), b))
-    return replaced
+    return replaced, filled
+
+
+def _filled(old: Snapshot, new: Snapshot) -> list[tuple[tuple, Any]]:
+    """(path, value) for each field of the object that the call set: a scalar changed, or a
+    tensor put where there was none or another; a path is the steps from the object to the field
+    (`put_path`). The object's own containers and objects must stay (a replay sets fields, it
+    makes no objects): a field's structure that changed otherwise makes the call ineligible."""
+    olds, news = iter(old.values()), iter(new.values())
+    edits: list[tuple[tuple, Any]] = []
+
+    def skip(state: Any) -> None:  # past the tensors of a state the call replaced, in walk order
+        if _is_tensor(state):
+            next(olds)
+        elif type(state) is tuple and state[0] != "O":
+            for item in state[1:]:
+                skip(item[1] if _fields(state) else item)
+
+    def walk(a: Any, b: Any, path: tuple) -> None:
+        if _is_tensor(b):
+            t = next(news)
+            if _is_tensor(a):
+                if next(olds) is t:
+                    return
+            elif type(a) is tuple:
+                raise Ineligible("the call replaced a container an argument object holds by a tensor")
+            edits.append((path, t))
+            return
+        if type(b) is not tuple or b[0] == "O":
+            skip(a)
+            if a != b:
+                if type(b) is tuple:
+                    raise Ineligible("the call replaced an object an argument object holds")
+                edits.append((path, b))
+            return
+        if type(a) is not tuple or a[0] != b[0] or _is_tensor(a):
+            raise Ineligible("the call changed the Python state of an argument object: it made an object or container")
+        if not _fields(b):  # a list or tuple
+            if len(a) != len(b):
+                raise Ineligible("the call changed the length of a list an argument object holds")
+            for k, (x, y) in enumerate(zip(a[1:], b[1:])):
+                walk(x, y, path + ((b[0] == "tuple", k),))
+            return
+        was = dict(a[1:])
+        if [k for k, _ in b[1:] if k in was] != list(was):
+            raise Ineligible("the call deleted a field of an object an argument object holds")
+        for k, y in b[1:]:
+            if k in was:
+                walk(was[k], y, path + ((False, k),))
+            elif _is_tensor(y) or type(y) is not tuple:
+                walk(None, y, path + ((False, k),))
+            else:
+                raise Ineligible("the call gave an object an argument object holds a new container field")
+
+    walk(old.state, new.state, ())
+    for path, _ in edits:
+        if any(in_tuple for in_tuple, _ in path):
+            raise Ineligible("the call replaced a tensor an argument object holds in a tuple")
+    return [(tuple(k for _, k in path), v) for path, v in edits]
+
+
+def _is_tensor(state: Any) -> bool:
+    return type(state) is tuple and len(state) == 4 and state[0] == "T" and type(state[1]) is torch.Size
+
+
+def _fields(state: tuple) -> bool:
+    """Is this state an object's or dict's (items (name, state)), not a list's or tuple's?"""
+    return state[0] not in ("list", "tuple")
 
 
 def _masked(state: Any) -> Any:
