@@ -149,6 +149,37 @@ def test_calls_that_cannot_replay_and_record_slower_than_eager_run_as_eager(dele
     assert any(why.startswith("ran as eager: recording or replaying it took") for why in profile.data["replay_ineligible"])
 
 
+class Memory:
+    """A cache object that grows every call (a decode step's): its tensors' sizes are not the call's structure."""
+
+    def __init__(self, width: int):
+        self.keys = torch.zeros(0, width)
+
+
+class DecayingOverMemory(Decaying):
+    def forward(self, x, memory):
+        memory.keys = torch.cat([memory.keys, x * self.momentum])
+        return self.body(memory.keys.mean(0, keepdim=True))
+
+
+def test_calls_over_a_growing_cache_are_weighed_as_one_structure():
+    """Calls that cannot replay over a cache one step longer each call (new sizes of the tensors
+    it holds, not of the arguments) are weighed together: recorded slower than eager, they run
+    as eager, with eager's results and cache."""
+    torch.manual_seed(0)
+    model, xs = DecayingOverMemory(16), [torch.randn(4, 16) for _ in range(3)]
+    reference = copy.deepcopy(model)
+    mine, theirs = Memory(16), Memory(16)
+    torchnative.accelerate(model, delegates=["eager"], compile_after=None)
+    with torch.no_grad():
+        for i in range(40):
+            model.momentum = reference.momentum = max(model.momentum * 0.94, 0.005)
+            assert torch.equal(model(xs[i % 3], mine), reference(xs[i % 3], theirs)), i
+            assert torch.equal(mine.keys, theirs.keys), i
+    stats = torchnative.stats()
+    assert stats["replays"] == 0 and stats["eager_calls"] >= 20, stats
+
+
 def test_calls_that_replay_a_compiled_program_are_never_run_as_eager(monkeypatch):
     monkeypatch.setattr(program_cache, "_SECONDS_PER_OP", 1e-6)
     monkeypatch.setattr(program_cache, "_COMPILE_FLOOR", 1e-6)  # compiles at its first eager run

@@ -20,7 +20,7 @@ import torch
 from torchnative.cache import calibration as _calibration
 from torchnative.cache.program_cache import background, prepare, settle_threads
 from torchnative.recording.scalars import FloatSites
-from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects, sizes_erased
+from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer, Entry
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
@@ -86,7 +86,7 @@ class AcceleratedForward:
         weighed = key is not None and s.compile_after is None and s.quantize is None and \
             (found is None or _eager_only(found[0]) or _differentiable(found[0]))
         if weighed:
-            structure, elements = sizes_erased(key), _elements(leaves)
+            structure, elements = replayer.structure(key), _elements(leaves)
             if self._worth.eager_next(structure):
                 out = forward(*args, **kwargs)
                 self._worth.ran_eager(structure, time.perf_counter() - started, elements, out)

@@ -194,13 +194,6 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
     return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
 
 
-def sizes_erased(key: tuple) -> tuple:
-    """A guard key with its argument tensors' sizes and strides left out (their rank, dtype,
-    device and grad kept): what calls at other sizes of the same structure share."""
-    described = tuple((len(d[0]),) + d[2:] if _is_tensor(d) else d for d in key[1])
-    return (key[0], described) + key[2:]
-
-
 def erased(key: tuple) -> Flat:
     """A guard key as a `Flat` (torchnative.sizes): what calls at other sizes of the same
     structure share, and the sizes of every tensor it describes — the arguments' and those their

@@ -69,6 +69,12 @@ class Replayer:
         span = self.spans.find(flat)
         return (span.trace_at(flat), span) if span is not None else None
 
+    def structure(self, key: tuple) -> tuple:
+        """What calls with this guard key share with calls at other sizes: the key without the
+        sizes of the tensors it describes, the arguments' and those their objects hold (a decode
+        step over a longer cache has the same structure)."""
+        return tuple(self._erased(key).structure)
+
     def _erased(self, key: tuple) -> Flat:
         if self._flat is None or self._flat[0] is not key:
             self._flat = (key, erased(key))

@@ -10,7 +10,7 @@ compiled them) and the replay took longer than eager: the recorded graph's Core 
 through its GraphModule, more of them than the forward's own (a TTT-style scan of small matmuls
 replayed at 1.1-1.4x eager's time).
 
-Per call structure — the guard key without its tensors' sizes, so that BERT at a new length every
+Per call structure — the guard key without the sizes of the tensors it describes, so that BERT at a new length every
 call is weighed as one — with the cost rule on (`compile_after=None`) and no `quantize=` (whose outputs are not eager's):
 the structure's second
 recorded call is timed (its first pays one-time work), the next one that has no trace to replay
@@ -109,7 +109,7 @@ class _Costs:
 
 
 class Worth:
-    """Per accelerated module: call structure (guard.sizes_erased) → the costs of its calls
+    """Per accelerated module: call structure (Replayer.structure) → the costs of its calls
     recorded and run on eager."""
 
     def __init__(self) -> None:
