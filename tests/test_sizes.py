@@ -219,3 +219,32 @@ def test_a_fit_no_third_size_followed_makes_way_for_a_new_one(monkeypatch):
             assert_same(model(x), torch.tanh(model.linear(x)))
     # (2, 10) and (3, 10) fit (b a symbol) and wait for a third; (4, 20) and (4, 30) fit, and 40 confirms
     assert torchnative.stats()["symbolic_graphs"] == 1, torchnative.stats()
+
+
+def test_eager_walks_a_graph_for_its_first_runs_then_runs_its_code(monkeypatch):
+    """Eager's program walks the graph's nodes for its first two runs (no code generated: ~30 ms a
+    500-op graph, more than a graph run once costs) and its generated code after; a template's at
+    every size, equal to eager either way."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from torchnative.delegates.eager import Walked
+
+    generated = []
+    real = _LazyGraphModule._real_recompile
+    monkeypatch.setattr(_LazyGraphModule, "_real_recompile", lambda self: generated.append(self) or real(self))
+    model = Positional()
+    expected = Positional()
+    expected.load_state_dict(model.state_dict())
+    torchnative.accelerate(model, delegates=["eager"], replay=False)
+    clear_caches()
+    with torch.no_grad():
+        for n in (5, 9, 13, 40, 9, 101, 5, 77):
+            assert_same(model(*_inputs(n)), expected(*_inputs(n)))
+    runners = [s.run for p in programs() for s in p.steps]
+    assert runners and all(type(r) is Walked for r in runners)
+    template = [r for p in programs() for r in (s.run for s in p.steps) if sizes.is_symbolic(p.graph.gm)]
+    assert len(template) == 1 and template[0].runs > 2 and template[0].forward is not None  # ran 13..77: its code
+    once = [r for r in runners if r.runs == 1]
+    assert once and all(r.forward is None for r in once)  # a size run once: walked, no code
+    assert len(generated) == sum(r.forward is not None for r in runners)  # the code of those run more than twice, once each
+    assert all(r.forward.__name__ == "forward" for r in runners if r.forward is not None)  # not the lazy one

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 SIZES = "sizes"  # node.meta key: {where: Rule} for the node's integers that follow a symbol
 _LOW = 2  # a symbol is at least 2: torch.export specializes sizes 0 and 1
@@ -300,7 +301,7 @@ def symbolic(gm: fx.GraphModule) -> fx.GraphModule:
         env[n] = g.node_copy(n, lambda a: env[a])
         if SIZES in n.meta:  # the new arguments hold this graph's symbol nodes and the old graph's others
             env[n].args, env[n].kwargs = fx.map_arg((args, kwargs), lambda a: env.get(a, a))
-    return fx.GraphModule(gm, g)
+    return _LazyGraphModule(gm, g)  # its code generated when first run (delegates/eager.py walks it before)
 
 
 def dynamic_dims(placeholder: fx.Node, roots: dict[int, Any]) -> dict[int, Any] | None:
