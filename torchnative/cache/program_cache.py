@@ -14,8 +14,10 @@ import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -101,6 +103,9 @@ def _background_thread() -> None:
 # at each call only: a profile function, called at each return and each call of a builtin too,
 # made the compile's Python ~3x slower, the trace function ~1.8x).
 _SLICE_S, _REST_S, _ACTIVE_S = 2e-3, 8e-3, 0.5
+# a background build starts once the caller has made no call for _IDLE_S, or _START_WAIT_S after
+# it was asked for (a caller that never pauses)
+_IDLE_S, _START_WAIT_S = 0.25, 1.0
 
 
 def _in_slices(frame, event: str, arg) -> None:
@@ -149,23 +154,57 @@ class _Switch:
         self.finished = 0  # background builds done in this process (replay/worth.py looks for a new one)
         self.unchecked: set[int] = set()  # threads whose nested-fx-trace error is off (_nested_fx_trace_errors)
         self.last_call = self.slice_started = 0.0  # perf_counter() at a caller's last call, at the slice's start
+        self.last_end = 0.0  # perf_counter() at the end of a caller's last call
+        self.in_calls = 0    # calls under way (accelerated forwards)
+        self.running = 0     # background builds started, not finished
+        self.waiting: deque[float] = deque()  # when each build not started yet was asked for, oldest first
 
     def submit(self, *args, **kwargs) -> Future:
         with self.lock:
             self.unfinished += 1
-            sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
+            self.waiting.append(time.perf_counter())
             if threading.get_ident() not in self.unchecked and _nested_fx_trace_errors(False):
                 self.unchecked.add(threading.get_ident())
         fn, *rest = args
-        job = _background.submit(threads.on_one_thread(fn, threads.for_programs()), *rest, **kwargs)
+        job = _background.submit(self._when_idle(threads.on_one_thread(fn, threads.for_programs()), self.waiting[-1]),
+                                 *rest, **kwargs)
         job.add_done_callback(self._finished)
-        threads.yield_to_compile()
         return job
 
+    def _when_idle(self, fn: Callable, submitted: float) -> Callable:
+        """`fn`, started once the caller is idle (`idle`) or _START_WAIT_S after it was asked for
+        (a caller that never pauses): a compile asked for in a call's middle took the caller's
+        second torch thread for the rest of the call (GPT-2 small's first generate(): its last
+        steps 40-84 ms instead of 26)."""
+        def run(*args, **kwargs):
+            while not self.idle() and time.perf_counter() - submitted < _START_WAIT_S:
+                time.sleep(_IDLE_S / 10)
+            with self.lock:
+                self.waiting.popleft()
+                self.running += 1
+                sys.setswitchinterval(_SWITCH_WHILE_COMPILING)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return run
+
+    def idle(self) -> bool:
+        """No call under way, and none for _IDLE_S: between two generate() calls, not between a
+        decode step and the next, nor (mostly) between a training step's forward and the next."""
+        return not self.in_calls and time.perf_counter() - self.last_end >= _IDLE_S
+
+    def overdue(self) -> bool:
+        """A build has waited for the caller to be idle for _START_WAIT_S."""
+        return bool(self.waiting) and time.perf_counter() - self.waiting[0] >= _START_WAIT_S
+
     def settle(self) -> None:
-        """The calling thread's torch threads (threads.yield_to_compile) and Dynamo's check back
-        once no compile runs."""
-        if not self.unfinished:
+        """A call starts: while a compile runs, the calling thread's torch threads down to one
+        (threads.yield_to_compile); once no compile is left, they and Dynamo's check come back."""
+        if self.running:
+            threads.yield_to_compile()
+        elif not self.unfinished:
             threads.reclaim()
             if self.unchecked and threading.get_ident() in self.unchecked:
                 self.unchecked.discard(threading.get_ident())
@@ -187,6 +226,18 @@ def settle_threads() -> None:
     were before background compiles, once none runs; a compile's Python meanwhile in slices."""
     _switch.last_call = time.perf_counter()
     _switch.settle()
+
+
+@contextmanager
+def in_call() -> Iterator[None]:
+    """An accelerated call under way: background builds wait for the caller to be idle (_Switch._when_idle)."""
+    settle_threads()
+    _switch.in_calls += 1
+    try:
+        yield
+    finally:
+        _switch.in_calls -= 1
+        _switch.last_end = time.perf_counter()
 
 
 def compiles_finished() -> int:
@@ -212,8 +263,9 @@ def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
     run in the background (`enabled`, None: the process's default). Left to the first build, it ran
     in that build's slices (~5 s of a fast-weight scan's 10 s first build); run beside a call, it
     took the call's second core and the GIL (GPT-2's first generate() 3.2 s instead of 2.1). It
-    waits for a pause after a call (the first call comes right after `accelerate`), or for other
-    work given the compile thread (a build, which needs it anyway; `wait_for_compiles`)."""
+    waits for a pause after a call (the first call comes right after `accelerate`); with other work
+    given the compile thread behind it (a build, which needs it anyway; `wait_for_compiles`), for
+    the caller to be idle or that build to be overdue (_Switch.idle, overdue)."""
     from torchnative.delegates import DEFAULT, REGISTRY
 
     if not (BACKGROUND if enabled is None else enabled):
@@ -230,10 +282,16 @@ def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
 
 
 def _when_idle() -> None:
-    # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there;
-    # looked at every 50 ms: each look takes the GIL from a caller that may be running)
-    while _background._work_queue.empty() and (not _switch.last_call or time.perf_counter() - _switch.last_call < _ACTIVE_S):
-        time.sleep(_ACTIVE_S / 10)
+    # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there).
+    # With nothing else queued: once a call has been made and the caller paused; with a build (or
+    # wait_for_compiles) queued behind: once idle, or once that build is overdue
+    while True:
+        if _background._work_queue.empty():
+            if _switch.last_end and _switch.idle():
+                break
+        elif _switch.idle() or _switch.overdue():
+            break
+        time.sleep(_IDLE_S / 10)
     with _prepare_lock:
         works, _to_prepare[:] = list(_to_prepare), []
     for work in works:

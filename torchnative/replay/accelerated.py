@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from torchnative.cache import calibration as _calibration
-from torchnative.cache.program_cache import background, prepare, settle_threads
+from torchnative.cache.program_cache import background, in_call, prepare
 from torchnative.recording.scalars import FloatSites
 from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_objects
 from torchnative.replay.replayer import Replayer, Entry
@@ -62,16 +62,16 @@ class AcceleratedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         s = self.settings
         forward = self.__wrapped__
-        settle_threads()
-        # inside a capture the outer session records; while calibrating every call is recorded
-        if s.replay and current_handler() is None and not _calibration.active():
-            # one call at a time: the replayer's traces and snapshots are one call's view of the module
-            with self._lock:
-                return self._guarded(forward, args, kwargs)
-        with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize,
-                     background=s.background, sites=self._sites):
-            out = forward(*args, **kwargs)
-        return real_outputs(out)  # after the session: its end runs the pending graph
+        with in_call():
+            # inside a capture the outer session records; while calibrating every call is recorded
+            if s.replay and current_handler() is None and not _calibration.active():
+                # one call at a time: the replayer's traces and snapshots are one call's view of the module
+                with self._lock:
+                    return self._guarded(forward, args, kwargs)
+            with session(s.delegates, self._replay_state().weights, compile_after=s.compile_after, quantize=s.quantize,
+                         background=s.background, sites=self._sites):
+                out = forward(*args, **kwargs)
+            return real_outputs(out)  # after the session: its end runs the pending graph
 
     def _guarded(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         s, replayer = self.settings, self._replay_state()
