@@ -737,3 +737,69 @@ def test_in_place_view_ops_on_recorded_values(grad):
         for _ in range(3):
             x = torch.randn(4, 8)
             assert_same(accel(x), eager(x))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_a_causal_lm_forward_that_returns_a_cache_it_made_replays(name, delegate):
+    """`model(input_ids)` with the config's use_cache returns a DynamicCache the forward made: a
+    replay makes the cache again, as eager's, and a continuation from it gives eager's logits."""
+    torch.manual_seed(0)
+    eager = models.build(name, "tiny").eval()
+    model = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate])
+    ids = torch.randint(1, 100, (1, 12))
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for _ in range(5):
+            got, want = model(ids), eager(ids)
+            assert_same(got.logits, want.logits, atol=1e-4)
+            assert type(got.past_key_values) is type(want.past_key_values)
+            for g, w in zip(got.past_key_values.layers, want.past_key_values.layers):
+                assert_same(g.keys, w.keys, atol=1e-4)
+                assert_same(g.values, w.values, atol=1e-4)
+        nxt = torch.randint(1, 100, (1, 1))
+        assert_same(eager(nxt, past_key_values=got.past_key_values).logits,
+                    eager(nxt, past_key_values=want.past_key_values).logits, atol=1e-4)
+    assert torchnative.stats()["replays"] >= 2, torchnative.stats()
+
+
+def test_an_object_the_call_returns_again_is_not_made_anew():
+    """A replay rebuilds only objects the call makes: one it returns call after call (kept by
+    the module) stays that object."""
+    class Box:
+        def __init__(self):
+            self.value = None
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.box = Box()
+
+        def forward(self, x):
+            return x * 2, self.box
+
+    model = torchnative.accelerate(Model(), delegates=["eager"])
+    torchnative.reset_stats()
+    for _ in range(4):
+        y, box = model(torch.ones(3))
+        assert box is model.box and torch.equal(y, torch.ones(3) * 2)
+    assert torchnative.stats()["replays"] == 0
+
+
+def test_an_object_with_slots_in_the_output_is_not_rebuilt():
+    class Slotted:
+        __slots__ = ("t",)
+
+        def __init__(self, t):
+            self.t = t
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return Slotted(x * 2)
+
+    model = torchnative.accelerate(Model(), delegates=["eager"])
+    torchnative.reset_stats()
+    for _ in range(4):
+        assert torch.equal(model(torch.ones(3)).t, torch.ones(3) * 2)
+    assert torchnative.stats()["replays"] == 0
+    assert any("Slotted" in why for why in torchnative.stats()["replay_ineligible"])

@@ -94,7 +94,7 @@ def capture_call(model: torch.nn.Module, inputs: dict[str, Any], states: frozens
     try:
         with torch.no_grad():
             # the bundle's state and constants are these tensors themselves
-            trace = tracer.trace(leaves, is_weight, out, before, after).held(before)
+            trace = tracer.trace(leaves, is_weight, out, before, after, objects=False).held(before)
     except Ineligible as e:
         raise BundleError(f"this call of {type(model).__name__} cannot be saved as a bundle: {e}. A bundle "
                           f"runs without the model's Python, so everything the call computes must pass "

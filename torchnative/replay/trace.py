@@ -16,7 +16,7 @@ import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 from torch.utils import _pytree as pytree
 
@@ -42,7 +42,50 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
         return real(snapshots[src[1]].tensors[src[2]])
     if kind == "view":
         return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
+    if kind == "new":  # an object the call made (tracer._made): made again
+        return _build(src[2], lambda t: resolve(t, leaves, produced, snapshots))
     return src[1]  # "const", "lit", "py"
+
+
+_CONTAINERS = ("list", "tuple", "dict", "object")
+
+
+def _build(recipe: tuple, value: Callable[[tuple], Any]) -> Any:
+    """The object a recipe (tracer._made) describes, its tensors' sources given by `value`."""
+    kind = recipe[0]
+    if kind == "list" or kind == "tuple":
+        items = [_build(r, value) for r in recipe[1]]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _build(r, value) for k, r in recipe[1]}
+    if kind == "object":
+        obj = recipe[1].__new__(recipe[1])
+        vars(obj).update((k, _build(r, value)) for k, r in recipe[2])
+        return obj
+    return value(recipe)
+
+
+def _recipe_sources(recipe: tuple) -> Iterator[tuple]:
+    """The sources of the tensors a recipe holds, in order."""
+    kind = recipe[0]
+    if kind == "list" or kind == "tuple":
+        for r in recipe[1]:
+            yield from _recipe_sources(r)
+    elif kind in ("dict", "object"):
+        for _, r in recipe[-1]:
+            yield from _recipe_sources(r)
+    elif kind != "py":
+        yield recipe
+
+
+def _map_recipe(recipe: tuple, fn: Callable[[tuple], tuple]) -> tuple:
+    """The recipe with each tensor source `fn`'s."""
+    kind = recipe[0]
+    if kind == "list" or kind == "tuple":
+        return (kind, tuple(_map_recipe(r, fn) for r in recipe[1]))
+    if kind in ("dict", "object"):
+        return (*recipe[:-1], tuple((k, _map_recipe(r, fn)) for k, r in recipe[-1]))
+    return recipe if kind == "py" else fn(recipe)
 
 
 @dataclass(frozen=True)
@@ -152,6 +195,8 @@ class Trace:
                 return ("lit", src[1].dtype, src[1].item())
             if src[0] == "view":
                 return ("view", norm(src[1]), *(src[2:] if sizes else (len(src[2]),)))
+            if src[0] == "new":
+                return ("new", _map_recipe(src[2], norm))
             if src[0] != "const":
                 return src
             t = src[1]
@@ -168,6 +213,8 @@ class Trace:
         def checks(t: Trace) -> list:
             return [(id(read), tuple(map(id, weights)), value) for read, weights, value in t.checks]
         mine, theirs = shape(self), shape(other)
+        if any(a[0] == "new" and a[1]() is not None and a[1]() is b[1]() for a, b in zip(self.outputs, other.outputs)):
+            return False  # the same object returned again: not one the call makes (tracer._made)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs]
                 and [(at, norm(src)) for at, src in self.sets] == [(at, norm(src)) for at, src in other.sets]
@@ -180,7 +227,10 @@ class Trace:
         ints: list[int] = []
 
         def collect(src: tuple) -> None:
-            if src[0] == "view":
+            if src[0] == "new":
+                for inner in _recipe_sources(src[2]):
+                    collect(inner)
+            elif src[0] == "view":
                 collect(src[1])
                 ints.extend((*src[2], *src[3], src[4]))
         for src in self._sources():
@@ -194,6 +244,8 @@ class Trace:
         it = iter(ints)
 
         def each(src: tuple) -> tuple:
+            if src[0] == "new":
+                return (*src[:2], _map_recipe(src[2], each))
             if src[0] != "view":
                 return src
             base = each(src[1])

@@ -15,6 +15,7 @@ its value, as it does for a Python scalar the call returns.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -78,8 +79,10 @@ class Tracer:
             self.why = why
 
     def trace(self, leaves: list, weights: Callable[[torch.Tensor], bool], out: Any, before: dict[int, Snapshot],
-              after: dict[int, Snapshot]) -> Trace:
-        """`before`, `after`: the argument objects' snapshots at the call's start and end."""
+              after: dict[int, Snapshot], objects: bool = True) -> Trace:
+        """`before`, `after`: the argument objects' snapshots at the call's start and end;
+        `objects`: an object the output holds that is no argument (a DynamicCache a causal LM's
+        forward makes) is rebuilt by the replay (`_made`)."""
         if self.why is not None or self.hooks.why is not None:
             raise Ineligible(self.why or self.hooks.why)
         if module_changes() != self.changes:
@@ -167,7 +170,7 @@ class Tracer:
             if not is_plain(given_spec) or not all(isinstance(x, torch.Tensor) or type(x) in SCALARS for x in given):
                 raise Ineligible(f"a forward hook is given an object a replay cannot rebuild ({given_spec.type.__name__})")
             hooks.append((hook, module, tuple(source(getattr(x, "_value", x)) for x in given), given_spec))
-        out_sources = tuple(source(o) for o in outputs)
+        out_sources = tuple(_made(o, source, where) if _is_object(o) and objects else source(o) for o in outputs)
         if sits or any(r is not None and r.absolute for r in self.recorded):
             offsets = tuple((i, x.storage_offset()) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         else:
@@ -256,6 +259,53 @@ def _filled(old: Snapshot, new: Snapshot) -> list[tuple[tuple, Any]]:
         if any(in_tuple for in_tuple, _ in path):
             raise Ineligible("the call replaced a tensor an argument object holds in a tuple")
     return [(tuple(k for _, k in path), v) for path, v in edits]
+
+
+def _is_object(x: Any) -> bool:
+    return not isinstance(x, torch.Tensor) and type(x) not in SCALARS
+
+
+def _made(x: Any, source: Callable[[Any], tuple], where: dict) -> tuple:
+    """The source of an object the output holds: an argument object as such; another (the
+    DynamicCache `model(input_ids)` makes) as ("new", a weak reference to it, its recipe), which a
+    replay builds anew (trace.build): its type without its __init__, its fields, lists, tuples and
+    dicts as they were, scalars by value, tensors by their sources. Only what the state walk
+    (guard.object_state) sees through: an object with slots, or deeper than the walk, is refused.
+    Replay needs two calls in a row to make such a trace (Trace.same_as), and their objects must
+    be two (a call that returns the same object each time returns that object, not a new one)."""
+    if id(x) in where:
+        return where[id(x)]
+
+    def recipe(v: Any, depth: int) -> tuple:
+        tp = type(v)
+        if tp in SCALARS:
+            return ("py", v)
+        if isinstance(v, torch.Tensor):
+            return source(v)
+        if depth == 0:
+            raise Ineligible(f"the output holds a {type(x).__name__} nested deeper than a replay rebuilds")
+        if tp is list or tp is tuple:
+            return (tp.__name__, tuple(recipe(i, depth - 1) for i in v))
+        if tp is dict:
+            return ("dict", tuple((k, recipe(i, depth - 1)) for k, i in v.items()))
+        fields = getattr(v, "__dict__", None)
+        if fields is None or _slotted(tp) or isinstance(v, torch.nn.Module):
+            raise Ineligible(f"the output holds a {tp.__name__}, an object a replay cannot rebuild")
+        return ("object", tp, tuple((k, recipe(i, depth - 1)) for k, i in fields.items()))
+    try:
+        ref = weakref.ref(x)
+    except TypeError:
+        raise Ineligible(f"the output holds a {type(x).__name__}, an object a replay cannot rebuild") from None
+    return ("new", ref, recipe(x, 5))
+
+
+def _slotted(tp: type) -> bool:
+    """Does the class keep fields in slots (which neither the state walk nor a rebuild sees)?"""
+    for c in tp.__mro__:
+        names = getattr(c, "__slots__", ())
+        if any(n not in ("__dict__", "__weakref__") for n in ((names,) if isinstance(names, str) else names)):
+            return True
+    return False
 
 
 def _is_tensor(state: Any) -> bool:
