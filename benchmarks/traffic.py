@@ -1,7 +1,7 @@
 """Real traffic (issue 37): what users send, not what our other benchmarks repeat. Every call a new
 size, engines interleaved call by call (each its own model copy), idle gaps between.
 
-    python benchmarks/traffic.py [--workloads chat-gpt2,chat-llama,bert,batches,ttt,memory,memory-chat] [--calls 16]
+    python benchmarks/traffic.py [--workloads chat-gpt2,chat-llama,bert,batches,scoring,ttt,memory,memory-chat] [--calls 16]
                                  [--new 24] [--no-compile]
 
 - chat-*: `generate(max_new_tokens=--new)` with the default cache, each call a new prompt length
@@ -9,6 +9,8 @@ size, engines interleaved call by call (each its own model copy), idle gaps betw
 - bert: BERT-base at 20 random lengths in 8..384.
 - batches: GPT-2 small's forward (no cache: scoring, as a reranker or a perplexity job calls it)
   at a random batch size in 1..4 and length in 8..128 each call, 3 x --calls calls.
+- scoring: GPT-2 small's `model(ids).logits` with the default config (its forward makes a
+  DynamicCache for its output) at a random length in 8..256 each call, 3 x --calls calls.
 - ttt: a TTT-Linear-style layer stack (a fast weight updated by a gradient step per chunk of 16
   tokens, inside forward; a data read per chunk; outputs written into a buffer made before the
   scan; a cache object carrying the fast weights across calls, written with copy_; inputs sliced
@@ -151,6 +153,19 @@ def batches(calls: int, compile_: bool) -> dict:
               for i in range(calls)]
     seconds, same = _interleaved(engines, [lambda m, x=x: m(x).logits for x in inputs])
     return {**_row("batches", seconds, same), "stats": _stats()}
+
+
+def scoring(calls: int, compile_: bool) -> dict:
+    """GPT-2 small's forward as scoring code calls it, `model(ids).logits` with the default config:
+    each call at a new length, and the DynamicCache use_cache makes in its output."""
+    clear_caches()
+    torchnative.reset_stats()
+    model = models.build("gpt2", "base")
+    engines = _engines(model, compile_)
+    rng = random.Random(4)
+    inputs = [torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n)) for n in rng.sample(range(8, 257), calls)]
+    seconds, same = _interleaved(engines, [lambda m, x=x: m(x).logits for x in inputs])
+    return {**_row("scoring", seconds, same), "stats": _stats()}
 
 
 class FastWeightCache:
@@ -298,7 +313,7 @@ def _stats() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", default="chat-gpt2,chat-llama,bert,batches,ttt,memory")
+    parser.add_argument("--workloads", default="chat-gpt2,chat-llama,bert,batches,scoring,ttt,memory")
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--new", type=int, default=24)
     parser.add_argument("--no-compile", action="store_true")
@@ -312,6 +327,8 @@ def main() -> None:
             rows.append(bert(max(args.calls, 20), not args.no_compile))
         elif w == "batches":
             rows.append(batches(3 * args.calls, not args.no_compile))
+        elif w == "scoring":
+            rows.append(scoring(3 * args.calls, not args.no_compile))
         elif w == "ttt":
             rows += ttt(args.calls, not args.no_compile)
         elif w == "memory":
