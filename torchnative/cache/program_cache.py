@@ -105,7 +105,7 @@ def _background_thread() -> None:
 _SLICE_S, _REST_S, _ACTIVE_S = 2e-3, 8e-3, 0.5
 # a background build starts once the caller has made no call for _IDLE_S, or _START_WAIT_S after
 # it was asked for (a caller that never pauses)
-_IDLE_S, _START_WAIT_S = 0.25, 1.0
+_IDLE_S, _START_WAIT_S = 0.1, 0.5
 
 
 def _in_slices(frame, event: str, arg) -> None:
