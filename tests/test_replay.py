@@ -786,6 +786,33 @@ def test_an_object_the_call_returns_again_is_not_made_anew():
     assert torchnative.stats()["replays"] == 0
 
 
+def test_a_made_object_that_points_to_one_the_model_keeps_is_not_rebuilt():
+    """A new object each call that holds one the model keeps (a cache pointing to the config):
+    a replay would copy the kept one, so the call records, and the object it holds stays the model's."""
+    class Config:
+        def __init__(self):
+            self.width = 3
+
+    class Holder:
+        def __init__(self, t, config):
+            self.t, self.config = t, config
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = Config()
+
+        def forward(self, x):
+            return Holder(x * 2, self.config)
+
+    model = torchnative.accelerate(Model(), delegates=["eager"])
+    torchnative.reset_stats()
+    for _ in range(4):
+        out = model(torch.ones(3))
+        assert out.config is model.config and torch.equal(out.t, torch.ones(3) * 2)
+    assert torchnative.stats()["replays"] == 0
+
+
 def test_an_object_with_slots_in_the_output_is_not_rebuilt():
     class Slotted:
         __slots__ = ("t",)

@@ -43,7 +43,7 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
     if kind == "view":
         return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
     if kind == "new":  # an object the call made (tracer._made): made again
-        return _build(src[2], lambda t: resolve(t, leaves, produced, snapshots))
+        return _build(src[1], lambda t: resolve(t, leaves, produced, snapshots))
     return src[1]  # "const", "lit", "py"
 
 
@@ -60,7 +60,7 @@ def _build(recipe: tuple, value: Callable[[tuple], Any]) -> Any:
         return {k: _build(r, value) for k, r in recipe[1]}
     if kind == "object":
         obj = recipe[1].__new__(recipe[1])
-        vars(obj).update((k, _build(r, value)) for k, r in recipe[2])
+        vars(obj).update((k, _build(r, value)) for k, r in recipe[-1])
         return obj
     return value(recipe)
 
@@ -78,14 +78,28 @@ def _recipe_sources(recipe: tuple) -> Iterator[tuple]:
         yield recipe
 
 
-def _map_recipe(recipe: tuple, fn: Callable[[tuple], tuple]) -> tuple:
-    """The recipe with each tensor source `fn`'s."""
+def _map_recipe(recipe: tuple, fn: Callable[[tuple], tuple], refs: bool = True) -> tuple:
+    """The recipe with each tensor source `fn`'s; without `refs`, its objects' weak references left out."""
     kind = recipe[0]
     if kind == "list" or kind == "tuple":
-        return (kind, tuple(_map_recipe(r, fn) for r in recipe[1]))
+        return (kind, tuple(_map_recipe(r, fn, refs) for r in recipe[1]))
     if kind in ("dict", "object"):
-        return (*recipe[:-1], tuple((k, _map_recipe(r, fn)) for k, r in recipe[-1]))
+        head = recipe[:-1] if refs or kind == "dict" else recipe[:2]
+        return (*head, tuple((k, _map_recipe(r, fn, refs)) for k, r in recipe[-1]))
     return recipe if kind == "py" else fn(recipe)
+
+
+def _objects(recipe: tuple) -> Iterator[Any]:
+    """The objects a recipe was taken of (None where freed), in order."""
+    kind = recipe[0]
+    if kind == "list" or kind == "tuple":
+        for r in recipe[1]:
+            yield from _objects(r)
+    elif kind in ("dict", "object"):
+        if kind == "object":
+            yield recipe[2]()
+        for _, r in recipe[-1]:
+            yield from _objects(r)
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,7 @@ class Trace:
             if src[0] == "view":
                 return ("view", norm(src[1]), *(src[2:] if sizes else (len(src[2]),)))
             if src[0] == "new":
-                return ("new", _map_recipe(src[2], norm))
+                return ("new", _map_recipe(src[1], norm, refs=False))
             if src[0] != "const":
                 return src
             t = src[1]
@@ -213,8 +227,9 @@ class Trace:
         def checks(t: Trace) -> list:
             return [(id(read), tuple(map(id, weights)), value) for read, weights, value in t.checks]
         mine, theirs = shape(self), shape(other)
-        if any(a[0] == "new" and a[1]() is not None and a[1]() is b[1]() for a, b in zip(self.outputs, other.outputs)):
-            return False  # the same object returned again: not one the call makes (tracer._made)
+        if any(a[0] == "new" and b[0] == "new" and any(x is not None and x is y for x, y in zip(_objects(a[1]), _objects(b[1])))
+               for a, b in zip(self.outputs, other.outputs)):
+            return False  # an object returned again: not one the call makes (tracer._made)
         return (mine == theirs and self.spec == other.spec and self.module_changes == other.module_changes
                 and [norm(o) for o in self.outputs] == [norm(o) for o in other.outputs]
                 and [(at, norm(src)) for at, src in self.sets] == [(at, norm(src)) for at, src in other.sets]
@@ -228,7 +243,7 @@ class Trace:
 
         def collect(src: tuple) -> None:
             if src[0] == "new":
-                for inner in _recipe_sources(src[2]):
+                for inner in _recipe_sources(src[1]):
                     collect(inner)
             elif src[0] == "view":
                 collect(src[1])
@@ -245,7 +260,7 @@ class Trace:
 
         def each(src: tuple) -> tuple:
             if src[0] == "new":
-                return (*src[:2], _map_recipe(src[2], each))
+                return ("new", _map_recipe(src[1], each))
             if src[0] != "view":
                 return src
             base = each(src[1])

@@ -267,12 +267,13 @@ def _is_object(x: Any) -> bool:
 
 def _made(x: Any, source: Callable[[Any], tuple], where: dict) -> tuple:
     """The source of an object the output holds: an argument object as such; another (the
-    DynamicCache `model(input_ids)` makes) as ("new", a weak reference to it, its recipe), which a
-    replay builds anew (trace.build): its type without its __init__, its fields, lists, tuples and
-    dicts as they were, scalars by value, tensors by their sources. Only what the state walk
-    (guard.object_state) sees through: an object with slots, or deeper than the walk, is refused.
-    Replay needs two calls in a row to make such a trace (Trace.same_as), and their objects must
-    be two (a call that returns the same object each time returns that object, not a new one)."""
+    DynamicCache `model(input_ids)` makes) as ("new", its recipe), which a replay builds anew
+    (trace._build): each object of it of its type without its __init__, with its fields (and a
+    weak reference to it, by which Trace.same_as sees that the next call made another), lists,
+    tuples and dicts as they were, scalars by value, tensors by their sources. Only what the
+    state walk (guard.object_state) sees through: an object with slots, or deeper than the walk,
+    is refused; so is one the call returns again (a module's, or a config a cache points to),
+    which a replay would copy."""
     if id(x) in where:
         return where[id(x)]
 
@@ -291,12 +292,12 @@ def _made(x: Any, source: Callable[[Any], tuple], where: dict) -> tuple:
         fields = getattr(v, "__dict__", None)
         if fields is None or _slotted(tp) or isinstance(v, torch.nn.Module):
             raise Ineligible(f"the output holds a {tp.__name__}, an object a replay cannot rebuild")
-        return ("object", tp, tuple((k, recipe(i, depth - 1)) for k, i in fields.items()))
-    try:
-        ref = weakref.ref(x)
-    except TypeError:
-        raise Ineligible(f"the output holds a {type(x).__name__}, an object a replay cannot rebuild") from None
-    return ("new", ref, recipe(x, 5))
+        try:
+            ref = weakref.ref(v)
+        except TypeError:
+            raise Ineligible(f"the output holds a {tp.__name__}, an object a replay cannot rebuild") from None
+        return ("object", tp, ref, tuple((k, recipe(i, depth - 1)) for k, i in fields.items()))
+    return ("new", recipe(x, 5))
 
 
 def _slotted(tp: type) -> bool:
