@@ -47,9 +47,6 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
     return src[1]  # "const", "lit", "py"
 
 
-_CONTAINERS = ("list", "tuple", "dict", "object")
-
-
 def _build(recipe: tuple, value: Callable[[tuple], Any]) -> Any:
     """The object a recipe (tracer._made) describes, its tensors' sources given by `value`."""
     kind = recipe[0]
@@ -65,17 +62,21 @@ def _build(recipe: tuple, value: Callable[[tuple], Any]) -> Any:
     return value(recipe)
 
 
-def _recipe_sources(recipe: tuple) -> Iterator[tuple]:
-    """The sources of the tensors a recipe holds, in order."""
+def _nodes(recipe: tuple) -> Iterator[tuple]:
+    """Every node of a recipe (its containers, objects, scalars and tensor sources), in order."""
+    yield recipe
     kind = recipe[0]
-    if kind == "list" or kind == "tuple":
+    if kind in ("list", "tuple"):
         for r in recipe[1]:
-            yield from _recipe_sources(r)
+            yield from _nodes(r)
     elif kind in ("dict", "object"):
         for _, r in recipe[-1]:
-            yield from _recipe_sources(r)
-    elif kind != "py":
-        yield recipe
+            yield from _nodes(r)
+
+
+def _recipe_sources(recipe: tuple) -> Iterator[tuple]:
+    """The sources of the tensors a recipe holds, in order."""
+    return (n for n in _nodes(recipe) if n[0] not in ("list", "tuple", "dict", "object", "py"))
 
 
 def _map_recipe(recipe: tuple, fn: Callable[[tuple], tuple], refs: bool = True) -> tuple:
@@ -91,15 +92,7 @@ def _map_recipe(recipe: tuple, fn: Callable[[tuple], tuple], refs: bool = True) 
 
 def _objects(recipe: tuple) -> Iterator[Any]:
     """The objects a recipe was taken of (None where freed), in order."""
-    kind = recipe[0]
-    if kind == "list" or kind == "tuple":
-        for r in recipe[1]:
-            yield from _objects(r)
-    elif kind in ("dict", "object"):
-        if kind == "object":
-            yield recipe[2]()
-        for _, r in recipe[-1]:
-            yield from _objects(r)
+    return (n[2]() for n in _nodes(recipe) if n[0] == "object")
 
 
 @dataclass(frozen=True)
