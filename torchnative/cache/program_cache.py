@@ -278,10 +278,10 @@ def prepare(names: tuple[str, ...] | None, enabled: bool | None) -> None:
                 _prepared.add(name)
                 _to_prepare.append(work)
         if idle and _to_prepare:
-            _background.submit(_when_idle)
+            _background.submit(_prepare_when_idle)
 
 
-def _when_idle() -> None:
+def _prepare_when_idle() -> None:
     # (the executor's queue: CPython's ThreadPoolExecutor keeps what waits for the thread there).
     # With nothing else queued: once a call has been made and the caller paused; with a build (or
     # wait_for_compiles) queued behind: once idle, or once that build is overdue
