@@ -20,6 +20,7 @@ from torchnative import models, sizes, threads
 from tests.conftest import assert_same
 from tests.test_tta import METHODS, _images, _resnet
 from torchnative.build import apart
+from torchnative.interface import Artifact
 from torchnative.cache import program_cache
 from torchnative.cache.program_cache import background, clear_caches, programs
 from torchnative.recording.trie import Recorded
@@ -517,3 +518,25 @@ def test_the_compile_threads_python_leaves_the_callers_ops_most_of_their_speed(m
     unsliced, unsliced_ran = _beside_python(x)
     assert sliced < 2.5 * alone, (alone, sliced, unsliced)
     assert sliced_ran / sliced < 0.5 * unsliced_ran / unsliced, (sliced_ran, sliced, unsliced_ran, unsliced)
+
+
+def test_a_compile_process_is_not_forked_while_another_thread_imports(tmp_path, monkeypatch):
+    """A fork while another thread runs a module's import left the child that module half run and
+    its lock held by a thread it does not have: the child's import of it waited forever. The fork
+    waits for the import to finish."""
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(1.0)\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importing = threading.Thread(target=lambda: __import__("slow_to_import"))
+    importing.start()
+    time.sleep(0.2)  # the import is under way
+
+    def compile_():
+        import slow_to_import
+        return Artifact("eager", bytes([slow_to_import.VALUE]))
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        got = pool.submit(apart.compiled, compile_, {}).result(timeout=60)
+    importing.join()
+    assert got.payload == bytes([7])

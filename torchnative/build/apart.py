@@ -13,6 +13,7 @@ it (build/verify.py) stay here. A converter that crashes ends the child, not the
 from __future__ import annotations
 
 import gc
+import importlib._bootstrap
 import os
 import pickle
 import select
@@ -44,12 +45,33 @@ def wanted() -> bool:
     return ENABLED and getattr(_local, "apart", False)
 
 
+def _no_import_under_way(limit: float = 10.0) -> None:
+    """Wait (up to `limit` seconds) until no other thread is importing a module. A fork while one
+    is leaves the child that module half run and its lock held by a thread the child does not
+    have: the child's own import of it waited forever (a TENT step's backward imported torch.export
+    modules on the caller's thread while a build forked)."""
+    me, deadline = threading.get_ident(), time.monotonic() + limit
+    while time.monotonic() < deadline:
+        locks = [ref() for ref in list(importlib._bootstrap._module_locks.values())]
+        if not any(lock is not None and lock.count and lock.owner not in (None, me) for lock in locks):
+            return
+        sys.setswitchinterval(1e-4)  # let the importer run
+        time.sleep(0.005)
+        sys.setswitchinterval(1.0)
+
+
 def compiled(compile: Callable[[], Artifact], constants: dict[str, torch.Tensor]) -> Artifact | None:
     """`compile()` run in a fork of this process; its artifact, whose constants are `constants`'
     tensors where the compile kept them. None: the artifact is an object of the child (a live
     graph, which only this process can make)."""
     r, w = os.pipe()
-    pid = os.fork()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # no other thread starts an import between the look and the fork
+    try:
+        _no_import_under_way()
+        pid = os.fork()
+    finally:
+        sys.setswitchinterval(switch)
     if pid == 0:  # the child: it never returns
         os.close(r)
         _child(compile, constants, w)
