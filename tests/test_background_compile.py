@@ -536,7 +536,12 @@ def test_a_compile_process_is_not_forked_while_another_thread_imports(tmp_path, 
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(1) as pool:
+    pool = ThreadPoolExecutor(1)
+    try:
         got = pool.submit(apart.compiled, compile_, {}).result(timeout=60)
-    importing.join()
+    finally:
+        for pid in list(apart._children):  # a child stuck on the lock: ended, so the thread ends too
+            os.kill(pid, signal.SIGKILL)
+        pool.shutdown(wait=False)
+        importing.join()
     assert got.payload == bytes([7])
