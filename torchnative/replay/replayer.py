@@ -49,7 +49,7 @@ class Replayer:
         self.weights, self.submit = weights, submit
         self.entries = Lru(_KEEP, "traces")  # guard key -> Entry
         self.spans = Spans(_KEEP) if new_sizes else None
-        self._flat: tuple[tuple, Flat] | None = None  # the last key erased, and its Flat: a call that
+        self._flat: tuple[tuple, Flat, tuple | None] | None = None  # the last key erased, its Flat and structure: a call that
         # finds no trace is learnt from once recorded, with the same key
         self.snapshots: dict[int, Snapshot] = {}  # argument position -> the object last seen there
         self.last: Entry | None = None  # the entry of the last call recorded
@@ -73,11 +73,14 @@ class Replayer:
         """What calls with this guard key share with calls at other sizes: the key without the
         sizes of the tensors it describes, the arguments' and those their objects hold (a decode
         step over a longer cache has the same structure)."""
-        return tuple(self._erased(key).structure)
+        self._erased(key)
+        if self._flat[2] is None:  # made once per key: a weighed decode step asks on every call
+            self._flat = (*self._flat[:2], tuple(self._flat[1].structure))
+        return self._flat[2]
 
     def _erased(self, key: tuple) -> Flat:
         if self._flat is None or self._flat[0] is not key:
-            self._flat = (key, erased(key))
+            self._flat = (key, erased(key), None)
         return self._flat[1]
 
     def replay(self, key: tuple, found: tuple[Trace, Span | None], leaves: list, hook_set: tuple = ()) -> tuple[bool, Any]:
