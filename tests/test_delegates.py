@@ -1,6 +1,8 @@
 """Delegates against eager: every claimed op numerically (OpInfo samples, table-driven), models
 under accelerate with each delegate, and fallbacks that are counted, never silent."""
 
+import math
+
 import pytest
 import torch
 
@@ -211,22 +213,71 @@ def test_weights_changed_in_place_are_seen(delegate):
     assert torch.allclose(second, ref, atol=1e-6) and not torch.allclose(second, first)
 
 
-def test_grad_enabled_call_keeps_attention_logsumexp_out_of_ort():
-    """With grad enabled, autograd saves SDPA's logsumexp: a graph output that torchlib's
-    translation does not compute (it returned a wrong-shaped tensor), so ORT declines that node."""
-    model = models.build("bert")
-    model.config.use_cache = False
-    inputs = models.example_inputs("bert", model)
-    expected = model(**inputs).last_hidden_state
-    torchnative.accelerate(model, delegates=["ort"], compile_after=1)
+class _SavedForBackward(torch.nn.Module):
+    """Eval-mode batch norm and attention with grad enabled: autograd saves batch norm's mean and
+    invstd (empty in eager: its backward reads the running statistics) and SDPA's logsumexp."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.qkv = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Linear(8, 24)
+
+    def forward(self, x, mask):
+        h = torch.relu(self.bn(self.conv(x))).flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(h).view(h.shape[0], h.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum(1)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_what_autograd_saves_of_batch_norm_and_attention_runs_on_ort_with_eager_s_gradients(masked):
+    """A training-style call of a model in eval mode (ActMAD's): the recorded graph outputs what
+    the backward reads, and ORT computes it as eager's kernels do (batch norm's saved statistics
+    empty, the logsumexp of each query's scores, 0 for a row the mask hides whole), so the graph
+    is one ORT partition and the gradients are eager's."""
+    torch.manual_seed(0)
+    model, ref = _SavedForBackward().eval(), _SavedForBackward().eval()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, 1, 16, 16)
+        mask[0, 0, 3] = -math.inf
+    torchnative.reset_stats()
+    torchnative.accelerate(model, delegates=["ort"], compile_after=1, background=False)
+    ran = []
     try:
-        with torchnative.profile() as prof:
-            got = model(**inputs).last_hidden_state
+        for _ in range(3):
+            with torchnative.profile() as prof:
+                got = model(x, mask)
+            ran += prof.data["partitions"]
+            got.square().sum().backward()
+            want = ref(x, mask)
+            want.square().sum().backward()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+                p.grad = q.grad = None
+            assert not prof.data["declined"], prof.data["declined"]
     finally:
         torchnative.deaccelerate(model)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    assert got.requires_grad
-    assert any("logsumexp" in d["reason"] for d in prof.data["declined"])
+    # the recorded graph, then AOTAutograd's forward of it: each one ORT partition
+    assert ran and {p["delegate"] for p in ran} == {"ort"} and len({p["graph"] for p in ran}) == 2
+    assert all({"aten._native_batch_norm_legit_no_training.default",
+                "aten._scaled_dot_product_flash_attention_for_cpu.default"} <= set(p["ops"]) for p in ran)
+    assert torchnative.stats()["fallbacks"] == {}
+
+
+def test_eval_batch_norm_s_saved_statistics_are_recorded_as_eager_makes_them():
+    """The recorded metadata of eval-mode batch norm's saved mean and invstd is the CPU kernel's
+    (empty), not the meta kernel's (one per channel): delegates' outputs are checked against it."""
+    bn = torch.nn.BatchNorm2d(4).eval()
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    op = torch.ops.aten._native_batch_norm_legit_no_training.default
+    with record(torchnative.events.GraphRun) as runs, torchnative.capture():
+        got = [t.sum() for t in op(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, 0.1, 1e-5)]
+    node = next(n for n in runs[0].graph.gm.graph.nodes if n.target is op)
+    want = op(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, 0.1, 1e-5)
+    assert [tuple(u.meta["val"].shape) for u in sorted(node.users, key=lambda u: u.args[1])] == [(2, 4, 3, 3), (0,), (0,)]
+    assert [tuple(w.shape) for w in want] == [(2, 4, 3, 3), (0,), (0,)] and len(got) == 3
 
 
 @pytest.mark.parametrize("mask", ["causal", "float", "bool", "none"])

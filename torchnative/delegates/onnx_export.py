@@ -25,12 +25,19 @@ SDPA = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 _COMPOSITE_OPS = {rms_norm_op, rope_op, gelu_tanh_op}
 
 
+def saved_read(node: fx.Node) -> bool:
+    """Is an output past the first read: what autograd saves for the backward (SDPA's logsumexp,
+    batch norm's saved statistics), in a graph recorded with grad enabled?"""
+    return any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
+
+
 def _ours_attention(node: fx.Node) -> bool:
     """Attention with a mask (a row it masks whole is 0 in eager's kernel, NaN in torchlib's
     translation), of fewer queries than keys (a step over a KV cache: torchlib's translation
     passes over the whole cache three times; ours ran a GPT-2 decode step 7.8 % faster, but BERT
-    4.6 % and GPT-2 prefill 2.6 % slower), or with grouped KV heads (torchlib's takes none)."""
-    if node.kwargs.get("attn_mask") is not None:
+    4.6 % and GPT-2 prefill 2.6 % slower), with grouped KV heads (torchlib's takes none), or
+    whose logsumexp autograd saves (torchlib's computes the output only)."""
+    if node.kwargs.get("attn_mask") is not None or saved_read(node):
         return True
     q, k = (a.meta.get("val") for a in node.args[:2])
     return q is not None and k is not None and q.dim() == 4 and (q.shape[1] != k.shape[1] or q.shape[2] < k.shape[2])
@@ -43,8 +50,12 @@ def slice_write(node: fx.Node) -> bool:
         and not given[0].meta["val"].dtype.is_floating_point and given[0].meta["val"].dtype != torch.bool
 
 
+BATCH_NORM_EVAL = torch.ops.aten._native_batch_norm_legit_no_training.default
+_SAVING_ATTENTION = "attention that computes the logsumexp a backward reads"  # a key of _translations()
+
 # torchlib's translation is replaced only in graphs that have a node it handles badly
-_OURS = {torch.ops.aten.index_put.default: slice_write, **{sdpa: _ours_attention for sdpa in SDPA}}
+_OURS = {torch.ops.aten.index_put.default: slice_write, **{sdpa: _ours_attention for sdpa in SDPA},
+         BATCH_NORM_EVAL: saved_read}
 
 
 def _float64(node: fx.Node) -> bool:
@@ -148,6 +159,12 @@ def _translations() -> dict:
         return y if bias is None else op18.Add(y, bias)
 
     def attention(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, attn_mask=None, scale=None):
+        return attend(query, key, value, dropout_p, is_causal, attn_mask, scale, saving=False)
+
+    def attention_saving(query, key, value, dropout_p: float = 0.0, is_causal: bool = False, attn_mask=None, scale=None):
+        return attend(query, key, value, dropout_p, is_causal, attn_mask, scale, saving=True)
+
+    def attend(query, key, value, dropout_p, is_causal, attn_mask, scale, saving: bool):
         # softmax(q @ kᵀ · scale + mask) @ v in the form ONNX Runtime's optimizer fuses into one
         # FusedMatMul (transposed k, the scale as its alpha): torchlib's scales q and k by √scale
         # and transposes k itself, three passes over a KV cache per layer
@@ -177,11 +194,23 @@ def _translations() -> dict:
             scores = op18.Where(attn_mask, scores, op18.Constant(value_float=-math.inf)) \
                 if attn_mask.dtype == onnx.TensorProto.BOOL else op18.Add(scores, attn_mask)
         out = op18.MatMul(op18.Softmax(scores, axis=-1), value)
+        zero = op18.CastLike(op18.Constant(value_float=0.0), out)
         if attn_mask is not None:  # a query the mask hides from every key: eager's kernel gives 0, Softmax NaN
-            out = op18.Where(masked_rows(attn_mask), op18.CastLike(op18.Constant(value_float=0.0), out), out)
-        # the logsumexp autograd would save is never read (supports() declines the node when it
-        # is): a placeholder of its shape
-        return out, op18.Expand(op18.Constant(value_float=0.0), shape(batch, heads, length))
+            out = op18.Where(masked_rows(attn_mask), zero, out)
+        if not saving:  # no backward reads the logsumexp (ONNX Runtime keeps nodes no output needs)
+            return out, op18.Expand(zero, shape(batch, heads, length))
+        lse = op18.ReduceLogSumExp(scores, ints([-1]), keepdims=0)
+        if attn_mask is not None:  # eager's kernel: 0 for a row the mask hides whole, as its output
+            lse = op18.Where(op18.Squeeze(masked_rows(attn_mask), ints([-1])), zero, lse)
+        return out, lse
+
+    def batch_norm_eval(x, weight=None, bias=None, running_mean=None, running_var=None, momentum: float = 0.9,
+                        eps: float = 1e-05):
+        # eager's saved mean and invstd of an eval-mode batch norm are empty (its backward reads
+        # the running statistics); torchlib's are the batch's
+        out = torchlib_core.aten__native_batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps)[0]
+        empty = lambda: op18.CastLike(op18.Constant(value=onnx.numpy_helper.from_array(numpy.zeros(0, numpy.float32))), x)  # noqa: E731
+        return out, empty(), empty()
 
     def masked_rows(mask):
         """[..., queries, 1]: True where the mask lets a query see no key (a padded position);
@@ -317,8 +346,8 @@ def _translations() -> dict:
             torch.ops.aten.silu_backward.default: silu_backward, torch.ops.aten.mish_backward.default: mish_backward,
             torch.ops.aten.amax.default: amax, torch.ops.aten.amin.default: amin, torch.ops.aten.argmax.default: argmax,
             torch.ops.aten.argmin.default: argmin, torch.ops.aten.max.dim: max_dim, torch.ops.aten.min.dim: min_dim,
-            torch.ops.aten.sign.default: sign,
-            **{sdpa: attention for sdpa in SDPA}}
+            torch.ops.aten.sign.default: sign, BATCH_NORM_EVAL: batch_norm_eval,
+            **{sdpa: attention for sdpa in SDPA}, _SAVING_ATTENTION: attention_saving}
 
 
 # MatMulNBits on its int8 path (level 4): the activations quantized in blocks of 32 along K
@@ -414,7 +443,10 @@ def to_onnx(graph: CapturedGraph, ranges: dict | None = None, weights_apart: boo
     nodes = graph.gm.graph.nodes
     composite = any(n.target in _COMPOSITE_OPS for n in nodes)
     needed = {n.target for n in nodes if n.target in _OURS and _OURS[n.target](n)}
-    table = tuple((op, fn) for op, fn in _translations().items() if op in needed or op not in _OURS)
+    ours = _translations()
+    saving = any(n.target in SDPA and saved_read(n) for n in nodes)
+    table = tuple((op, ours[_SAVING_ATTENTION] if saving and op in SDPA else fn) for op, fn in ours.items()
+                  if op is not _SAVING_ATTENTION and (op in needed or op not in _OURS))
     from torch.onnx._internal.exporter._constants import TORCHLIB_OPSET
 
     opset = 23 if composite else torch.onnx._constants.ONNX_DEFAULT_OPSET

@@ -14,7 +14,8 @@ import torch.fx as fx
 
 from torchnative import threads
 from torchnative.delegates.base import tensors
-from torchnative.delegates.onnx_export import BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, slice_write, to_onnx, translated
+from torchnative.delegates.onnx_export import (BATCH_NORM_TRAINING, SDPA, laid_out, low_bit_layouts, saved_read,
+                                                slice_write, to_onnx, translated)
 from torchnative.delegates import onnx_export
 from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
 from torchnative.ir import CapturedGraph, is_weight
@@ -23,7 +24,6 @@ from torchnative.passes.state import SLICE_UPDATE
 
 _HINT = "pip install onnxruntime onnxscript onnx"
 _INDEX_PUT = torch.ops.aten.index_put.default
-_BN_EVAL = torch.ops.aten._native_batch_norm_legit_no_training.default
 
 # found wrong by the OpInfo sweep (tests/opinfo_sweep.py --delegates ort)
 _WRONG = frozenset({"_native_batch_norm_legit_functional", "_native_batch_norm_legit", "native_batch_norm",
@@ -128,12 +128,10 @@ class OnnxRuntime:
                                              for u in node.users):
             return Support(False, f"{node.target}'s indices: torch orders equal values as its CPU kernel's selection "
                                   "leaves them, ONNX TopK by lower index first; with ties the indices differ")
-        if node.target is _BN_EVAL and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
-            return Support(False, "eval-mode BatchNorm's saved mean and invstd, which a backward reads, are empty in "
-                                  "eager and the batch's statistics in torchlib's translation")
-        if node.target in SDPA and any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users):
-            return Support(False, "torchlib's SDPA translation computes the attention output only, not the "
-                                  "logsumexp that autograd saves (the call runs with grad enabled)")
+        dropout = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+        if node.target in SDPA and saved_read(node) and dropout:
+            return Support(False, "torchlib's translation of attention with dropout computes the output only, not "
+                                  "the logsumexp that autograd saves (the call runs with grad enabled)")
         return YES
 
     def compile(self, graph: CapturedGraph) -> Artifact:

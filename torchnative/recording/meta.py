@@ -107,11 +107,30 @@ def _infer(op, args, kwargs):
             mkwargs["device"] = _META
         with no_dispatch_modes():
             out = op(*margs, **mkwargs)
-        return _out_meta(out), (None if isinstance(out, torch.Tensor) else type(out))
+        return _as_cpu(op, args, kwargs, _out_meta(out)), (None if isinstance(out, torch.Tensor) else type(out))
     except Unrecordable as e:
         return e
     except Exception as e:  # no meta kernel, data-dependent shape, ...
         return Unrecordable(f"no shape inference for {op}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+aten = torch.ops.aten
+# batch norm ops -> the position of their `training` flag (None: never training)
+_BATCH_NORMS = {aten._native_batch_norm_legit_no_training.default: None, aten.native_batch_norm.default: 5,
+                aten._native_batch_norm_legit.default: 5, aten._native_batch_norm_legit_functional.default: 5}
+
+
+def _as_cpu(op, args: tuple, kwargs: dict, metas: tuple) -> tuple:
+    """The outputs as the CPU kernel makes them where its meta kernel differs: an eval-mode batch
+    norm's saved mean and invstd are empty on CPU (its backward reads the running statistics),
+    one per channel on meta. A graph's metadata is what its delegates' outputs are checked against."""
+    at = _BATCH_NORMS.get(op, False)
+    if at is False:
+        return metas
+    if at is not None and (args[at] if len(args) > at else kwargs.get("training")):
+        return metas
+    empty = lambda m: ((0,), (1,), 0, m[3])  # noqa: E731
+    return (metas[0], empty(metas[1]), empty(metas[2]), *metas[3:])
 
 
 def _is_factory(op) -> bool:
