@@ -294,6 +294,47 @@ print(bool(torch.isfinite(y).all()))
     assert done.stdout.strip().endswith("True")
 
 
+def test_a_weight_given_other_memory_while_its_program_builds_is_not_read_freed():
+    """A mean teacher's EMA step (`t_p.data = a * t_p.data + ...`) gives a weight other memory
+    while its program builds in the background: the build reads the memory it was given, held
+    until it ends (it read freed memory: a segfault), and the program, which baked the old values,
+    is never run with the new weight. In a child process, so the old code's crash fails the test."""
+    script = """
+import gc, threading, torch, torchnative
+from torchnative.cache import program_cache
+import ctypes, numpy
+started, go, real, read = threading.Event(), threading.Event(), program_cache.build_program, []
+def held_back(graph, delegates, inputs, *args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():  # the background build, not eager's
+        # as a kernel in flight holds it: the weight's memory by address, no reference to it
+        w = next(t for t in inputs if tuple(t.shape) == (2048, 2048))
+        memory = numpy.ctypeslib.as_array(ctypes.cast(w.data_ptr(), ctypes.POINTER(ctypes.c_float)), (2048 * 2048,))
+        before = float(memory.sum(dtype=numpy.float64))
+        started.set()
+        go.wait(60)
+        read.append(float(memory.sum(dtype=numpy.float64)) == before)
+    return real(graph, delegates, inputs, *args, **kwargs)
+program_cache.build_program = held_back
+model = torch.nn.Linear(2048, 2048)  # 16 MB: freed, its pages go back to the system
+accel = torchnative.accelerate(model, delegates=["ort"], compile_after=1, background=True)
+x = torch.randn(4, 2048)
+with torch.no_grad():
+    accel(x)
+    assert started.wait(60), "no background build"
+    model.weight.data = 0.5 * model.weight.data + 1.0
+    gc.collect()
+    go.set()
+    torchnative.wait_for_compiles()
+    for _ in range(3):
+        got = accel(x)
+    want = torch.nn.functional.linear(x, model.weight, model.bias)
+print(read == [True], bool(torch.allclose(got, want, atol=1e-5)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.strip().endswith("True True")
+
+
 def test_sizes_that_vary_compile_their_template_in_the_background():
     """A template compiles in the background like any graph (cache/templates.py): meanwhile each
     size runs its own graph on eager."""

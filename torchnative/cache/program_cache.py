@@ -491,7 +491,12 @@ class ProgramCache:
             # the graph itself is built on the compile thread too (its fx nodes, a template's rules
             # marked on them: ~10 ms for a GPT-2 template), from the template's rules as they are now
             sizes = _rules(built_for)
-            job = _switch.submit(_built, graph, sizes, delegates, now, quantize, self.calibration.get(graph, []))
+            # and the memory of each tensor it reads as it is held until it ends: a caller that
+            # gives a weight other memory meanwhile (`t_p.data = ...`, a mean teacher's EMA step)
+            # freed what the build was reading (a segfault in its check against eager)
+            held = [t.untyped_storage() for t, given in zip(now, inputs) if t is given and isinstance(t, torch.Tensor)
+                    and t.layout == torch.strided and not t.is_quantized]
+            job = _switch.submit(_built, graph, sizes, delegates, now, quantize, self.calibration.get(graph, []), held)
             self.building[key] = (job, list(inputs), [_state(t) for t in inputs])
             job.add_done_callback(lambda _, run_key=key[:3]: self._compiled_run(run_key))
 
@@ -631,9 +636,10 @@ def _graph(graph: Recorded, sizes: Sizes | None) -> CapturedGraph:
 
 
 def _built(graph: Recorded, sizes: Sizes | None, delegates: tuple, inputs: list, quantize: str | None,
-           calibration_sets: list) -> Program:
+           calibration_sets: list, held: list) -> Program:
     """The background build of a graph's program: its graph (with a template's rules as they were
-    at submission), then its program."""
+    at submission), then its program. `held`: the storages of the caller's tensors among `inputs`,
+    alive (as this call's arguments) until the build ends."""
     return build_program(_graph(graph, sizes), delegates, inputs, quantize, calibration_sets=calibration_sets)
 
 
