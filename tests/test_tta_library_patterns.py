@@ -56,6 +56,73 @@ def test_a_keyword_momentum_that_decays_is_a_scalar_input_not_a_graph_per_call(d
     assert compiled, "the momentum never became an input"
 
 
+class _Tracked(torch.nn.Module):
+    """DUA's update on a linear layer's features, in float64 (ONNX Runtime has no float64 Conv)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.calls = torch.nn.Linear(8, 8).double(), 0
+        self.register_buffer("mean", torch.zeros(8, dtype=torch.float64))
+
+    def forward(self, x):
+        m = max(0.1 * 0.94 ** self.calls, 0.005)
+        self.calls += 1
+        y = self.lin(x)
+        self.mean.mul_(1 - m).add_(y.mean(0), alpha=m)
+        return (y - self.mean).relu()
+
+
+@pytest.mark.parametrize("make,shape,dtype", [(DUA, (2, 3, 8, 8), torch.float32), (_Tracked, (4, 8), torch.float64)])
+def test_a_decaying_momentum_runs_on_ort_as_an_input_of_its_partition(make, shape, dtype):
+    """The ops that read the momentum run on ONNX Runtime, the momentum a 0-d tensor input cast to
+    the dtype they compute in (passes/scalars.py), not on eager around every BatchNorm (RT-DETR:
+    115 partitions)."""
+    eager, accelerated = make(), torchnative.accelerate(make(), delegates=["ort"])
+    clear_caches()
+    torchnative.reset_stats()
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(i % 3), dtype=dtype)
+            assert_same(accelerated(x), eager(x), **_tol("ort"))
+    for mine, theirs in zip(accelerated.buffers(), eager.buffers()):
+        assert_same(mine, theirs, **_tol("ort"))
+    compiled = [p for p in programs() if any(type(n.meta["val"]) is float for n in p.graph.placeholders())
+                and any(d == "ort" for d, _ in p.partitions)]
+    assert compiled and all(p.partitions == (("ort", p.partitions[0][1]),) for p in compiled), \
+        [(p.partitions, p.declined) for p in programs()]
+    assert not torchnative.stats()["fallbacks"]
+
+
+class _Slope(torch.nn.Module):
+    """A float that changes every call where ONNX takes a constant (leaky_relu's slope)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.calls = torch.nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x) * (1 + 0.1 * self.calls)
+        return torch.nn.functional.leaky_relu(y, 0.01 * self.calls).sum(-1)
+
+
+def test_a_changing_float_where_onnx_takes_a_constant_runs_on_eager_and_says_why():
+    eager, accelerated = _Slope(), torchnative.accelerate(_Slope(), delegates=["ort"])
+    clear_caches()
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            assert_same(accelerated(x), eager(x), **_tol("ort"))
+    compiled = [p for p in programs() if any(type(n.meta["val"]) is float for n in p.graph.placeholders())
+                and any(d == "ort" for d, _ in p.partitions)]
+    assert compiled, [(p.partitions, p.declined) for p in programs()]
+    for p in compiled:
+        assert ("eager", 1) in p.partitions and any(d == "ort" for d, _ in p.partitions), p.partitions
+        assert any("leaky_relu" in op and "ONNX takes a constant" in why for op, _, why in p.declined), p.declined
+
+
 def _mean_teacher():
     torch.manual_seed(0)
     student = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

@@ -92,6 +92,10 @@ class Delegate(Protocol):
     # compiles graphs whose sizes vary (torchnative.sizes) for every size; the partitioner leaves
     # the nodes whose sizes vary to eager for a delegate that does not say it does
     dynamic: bool
+    # takes a graph's scalar inputs (Python floats that change between calls, recording/scalars.py)
+    # as runtime inputs, and says in `supports` where; the partitioner leaves their readers to
+    # eager for a delegate that does not say it does
+    scalar_inputs: bool
     toolchain: tuple[str, ...]  # the packages its artifacts are made and run with (cache keys, manifests)
     extension: str  # a bundle's file name ending for its artifacts ("" when they cannot be saved)
 

@@ -20,6 +20,7 @@ from torchnative.delegates import onnx_export
 from torchnative.interface import FLOAT32, YES, Artifact, Availability, Runner, Support, Tolerance
 from torchnative.ir import CapturedGraph, is_weight
 from torchnative.passes.fuse import COMPOSITES
+from torchnative.passes.scalars import as_tensors, is_scalar, placed
 from torchnative.passes.state import SLICE_UPDATE
 
 _HINT = "pip install onnxruntime onnxscript onnx"
@@ -87,6 +88,7 @@ class OnnxRuntime:
     extension = "onnx"
     calibrates = False
     dynamic = True  # the export's dynamic_shapes become the ONNX model's symbolic dims
+    scalar_inputs = True  # as 0-d tensor inputs (passes.scalars)
 
     def available(self) -> Availability:
         missing = [m for m in ("onnxruntime", "onnxscript", "onnx") if importlib.util.find_spec(m) is None]
@@ -122,6 +124,9 @@ class OnnxRuntime:
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
             return Support(False, "avg_pool with ceil_mode=True differs from eager at the edges")
+        if any(is_scalar(u) for u in node.all_input_nodes) and not placed(node):
+            return Support(False, "reads a Python float that changes between calls where ONNX takes a constant "
+                                  "(not a tensor argument): eager runs it")
         if node.target in _SLOWER:
             return Support(False, _SLOWER[node.target])
         if node.target in _TIE_ORDER and any(u.target is operator.getitem and u.args[1] == 1 and u.users
@@ -138,6 +143,7 @@ class OnnxRuntime:
         outputs = [(list(n.meta["val"].shape), str(n.meta["val"].dtype).removeprefix("torch."))
                    for n in graph.outputs()]
         graph, written = _functional_writes(graph)
+        graph, scalars = as_tensors(graph)
         ranges: dict = {}
         model = to_onnx(graph, ranges, weights_apart=True)
         recipe = low_bit_layouts(model)
@@ -146,6 +152,9 @@ class OnnxRuntime:
             _add_initializers(model, made)
         external = _externalize(model, {**graph.constants, **made})
         meta = {"n_outputs": len(outputs), "external": sorted(external)}
+        if scalars:  # their positions among the runtime inputs, which the runner makes tensors
+            runtime = [k for k, role in enumerate(graph.input_roles) if not is_weight(role)]
+            meta["scalars"] = [runtime.index(k) for k in scalars]
         if recipe:
             meta["low_bit"] = recipe
         if written:
@@ -188,8 +197,9 @@ class OnnxRuntime:
             options.add_external_initializers(list(weights), values)
         session = ort.InferenceSession(artifact.payload, options, providers=["CPUExecutionProvider"])
         if artifact.meta.get("written"):
-            return _writing_runner(session, artifact.meta["written"], artifact.meta["outputs"], artifact.meta.get("reused", []),
-                                   (weights, values))
+            runner = _writing_runner(session, artifact.meta["written"], artifact.meta["outputs"],
+                                     artifact.meta.get("reused", []), (weights, values))
+            return _scalars_as_tensors(runner, artifact.meta.get("scalars", ()))
         names = [i.name for i in session.get_inputs()]
         run = session.run
 
@@ -198,7 +208,22 @@ class OnnxRuntime:
             feed = {n: t.detach().contiguous().numpy() for n, t in zip(names, inputs)}
             return [torch.from_numpy(v) for v in run(None, feed)]
 
+        return _scalars_as_tensors(runner, artifact.meta.get("scalars", ()))
+
+
+def _scalars_as_tensors(runner: Runner, positions) -> Runner:
+    """The runner given each call's Python floats at `positions` as the float64 0-d tensors its
+    model takes (passes.scalars)."""
+    if not positions:
         return runner
+
+    def scalar_runner(inputs: list) -> list[torch.Tensor]:
+        inputs = list(inputs)
+        for k in positions:
+            inputs[k] = torch.tensor(inputs[k], dtype=torch.float64)
+        return runner(inputs)
+
+    return scalar_runner
 
 
 def _functional_writes(graph: CapturedGraph) -> tuple[CapturedGraph, list[int]]:

@@ -14,6 +14,7 @@ import networkx as nx
 import torch.fx as fx
 
 from torchnative.interface import Delegate, Support
+from torchnative.passes.scalars import is_scalar
 from torchnative.sizes import SIZES
 
 EAGER = "eager"
@@ -70,7 +71,7 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
         # cannot run it (getattr: a delegate that does not say it can, cannot)
         writes, scalar = _writes_in_place(n), _reads_scalar(n)
         for d in delegates:
-            if scalar:
+            if scalar and not getattr(d, "scalar_inputs", False):
                 verdict = Support(False, _SCALAR)
             elif writes and not getattr(d, "writes_in_place", False):
                 verdict = Support(False, _IN_PLACE)
@@ -90,8 +91,8 @@ def _label(nodes: list[fx.Node], delegates: Sequence[Delegate]) -> tuple[dict, d
 _IN_PLACE = "a state update written in place into the caller's tensor (a delegate's results are new tensors: it cannot write the caller's)"
 
 
-_SCALAR = ("reads a Python float that changes between calls (a scalar input of the graph): delegates compile "
-           "their scalars in, so eager runs it")
+_SCALAR = ("reads a Python float that changes between calls (a scalar input of the graph): this delegate "
+           "compiles its scalars in, so eager runs it")
 
 
 _VARIES = ("its sizes are symbols (its op sequence ran at other sizes in this process, maybe as another model: "
@@ -103,7 +104,7 @@ def _varies(n: fx.Node) -> bool:
 
 
 def _reads_scalar(n: fx.Node) -> bool:
-    return any(u.op == "placeholder" and type(u.meta.get("val")) is float for u in n.all_input_nodes)
+    return any(is_scalar(u) for u in n.all_input_nodes)
 
 
 def _writes_in_place(n: fx.Node) -> bool:
