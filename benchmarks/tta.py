@@ -135,9 +135,13 @@ def _lora(model: torch.nn.Module) -> Callable[[], None]:
 # model's BatchNorm layers configured at set-up, `model.eval()` in forward, momentum by keyword,
 # an EMA teacher through `.data =` ---------------------------------------------------------------
 def _resnet18() -> torch.nn.Module:
+    """ResNet-18 (torchvision's widths, 11.2 M parameters with 10 classes). ResNetConfig's default
+    widths are ResNet-50's (256..2048): with them this was a 178 M-parameter "ResNet-18", every
+    figure of the -r18 workloads before 2026-12-07 was measured on it."""
     from transformers import ResNetConfig, ResNetForImageClassification
     torch.manual_seed(0)
-    return ResNetForImageClassification(ResNetConfig(depths=[2, 2, 2, 2], layer_type="basic", num_labels=10))
+    return ResNetForImageClassification(ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512],
+                                                     depths=[2, 2, 2, 2], layer_type="basic", num_labels=10))
 
 
 def _rtdetr() -> torch.nn.Module:
