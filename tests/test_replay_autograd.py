@@ -203,6 +203,63 @@ def test_a_weight_the_loss_does_not_reach_gets_no_gradient_as_in_eager(delegate)
     assert torchnative.stats()["replays"] >= 3, torchnative.stats()
 
 
+def _kept_forms() -> list:
+    return [f for d in _differentiated() for kept, f in d._forms.items() if kept is not None and f.ready]
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_a_loss_that_reads_one_output_runs_a_backward_of_that_output_alone(delegate):
+    """ActMAD's loss reads the features, never the logits: once two backwards got gradients for the
+    features alone, replays run a form whose logits are detached (its backward computes no head
+    gradients on zeros); a step whose loss reads the logits after all gets eager's gradients
+    through the full form run again, and the steps after it too."""
+    eager = _TwoHeads()
+    accel = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate], compile_after=1, background=False)
+    clear_caches()
+    torchnative.reset_stats()
+    for step in range(10):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        both = step in (6, 7)
+        for m in (eager, accel):
+            features, logits = m(x)
+            (features.square().mean() + (logits.sum() if both else 0)).backward()
+        for mine, theirs in zip(accel.parameters(), eager.parameters()):
+            assert (mine.grad is None) == (theirs.grad is None), step
+            if theirs.grad is not None:
+                assert_same(mine.grad, theirs.grad, **_tol(delegate))
+        for m in (eager, accel):
+            m.zero_grad(set_to_none=True)
+        if step == 5:
+            kept = _kept_forms()
+            # the features' output alone (the graph's outputs: features, logits, in its own order)
+            assert [len(f.kept) for f in kept] == [1], [(d._given, list(d._forms)) for d in _differentiated()]
+    assert torchnative.stats()["replays"] >= 6, torchnative.stats()
+
+
+def test_the_form_of_one_output_saves_less_for_its_backward_than_the_full_one():
+    """The kept form's forward returns what the kept output's gradient needs only (the saved
+    tensors of the other output's backward are not made), and its backward runs as traced."""
+    from torchnative.build import differentiable
+
+    outputs = {}
+
+    def counting(graph, delegates, examples):  # build_program's signature: the graph run as it is
+        outputs["backward" if outputs else "forward"] = len(graph.outputs())  # built in this order
+        return lambda args: list(graph.gm(*args))
+    gm = torch.fx.symbolic_trace(lambda x, w, v: ((x @ w).tanh(), ((x @ w).tanh() @ v).sin()))
+    x, w, v = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    made = {}
+    for kept in (None, frozenset({0})):
+        outputs.clear()
+        form = differentiable._Form(gm, kept, ["a delegate"], counting)
+        form.prepare([x, w, v])
+        made[kept] = (dict(outputs), len(form.made))
+        got = form.run(x, w, v)
+        assert_same(list(got), [o.detach() for o in gm(x, w, v)], rtol=0, atol=0)
+    assert made[frozenset({0})][0]["forward"] < made[None][0]["forward"], made
+    assert made[None][1] == 2 and made[frozenset({0})][1] == 1, made  # the kept backward: not built
+
+
 def test_a_replay_keeps_its_graph_for_retain_graph_and_frees_it_as_eager_does():
     """Two backwards through one replayed call (the first with retain_graph) give eager's
     gradients; a third fails as eager's does: the replay kept no graph past what eager keeps."""

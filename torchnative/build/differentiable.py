@@ -78,12 +78,14 @@ class _Built:
 
     def __call__(self, args: list) -> list:
         args = list(args)  # AOTAutograd's boxed convention clears the list it passes
+        if self.slower:
+            return list(self.gm(*args))
         if self.program is None:
             if self.examples is None:
                 self.examples = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
             return list(self.gm(*args))
         if self.times is None:
-            return list(self.gm(*args)) if self.slower else self._run(args)
+            return self._run(args)
         ours, eager = self.times
         started, on_program = time.perf_counter(), len(ours) <= len(eager)
         values = self._run(args) if on_program else list(self.gm(*args))
@@ -101,6 +103,7 @@ class _Built:
     def _choose(self, ours: float, eager: float) -> None:
         self.times, self.slower = None, ours > eager
         if self.slower:
+            self.program = None  # nor its runtimes' memory and threads kept
             events.fallback("replay", f"the {self.what}'s program took {ours * 1e3:.1f} ms, its graph on eager "
                                       f"{eager * 1e3:.1f} ms: it runs on eager", "", len(self.gm.graph.nodes))
 
@@ -111,76 +114,130 @@ class _Built:
             self.times = ([], [])
 
 
-class Differentiable:
-    """`graph` as a function of its placeholders' values whose outputs autograd can differentiate."""
+class _Form:
+    """AOTAutograd's function of the graph, its outputs outside `kept` detached (None: none): its
+    forward saves, and its backward computes, what the gradients of the kept outputs need only.
 
-    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], build: Callable):
-        """`build(graph, delegates, inputs)`: the pipeline's build_program."""
+    A kept form's backward runs as traced, on eager: built for ONNX Runtime (RT-DETR's, 42 of 211
+    outputs kept), it lost its trial (37.5 against 32.9 ms) and left every eager op of the process
+    slower for good (ActMAD's eager step 36 -> 72 ms; parallel ops alone: a 256x256 mm 156 -> 235
+    µs). Cause not found: not threads, affinity, GC or the programs' lifetime; with
+    OMP_WAIT_POLICY=active it does not happen, so OpenMP's workers sleep between regions after it
+    (libgomp throttles its spinning once it manages more threads than cores)."""
+
+    def __init__(self, gm: fx.GraphModule, kept: frozenset[int] | None, delegates: Sequence[Delegate], build: Callable):
         from functorch.compile import aot_function, make_boxed_func
 
         from torchnative.delegates.eager import delegate as eager
 
-        gm = graph.gm
-        self._graph = gm
-        self._made: list[_Built] = []
+        self.kept = kept
+        self.made: list[_Built] = []
+        self.ready, self.failed = False, False
+        self.job: Future | None = None
 
         def compile(g: fx.GraphModule, example_inputs: list) -> Callable:
-            if all(d is eager for d in delegates):
+            if all(d is eager for d in delegates) or (self.made and kept is not None):
                 return make_boxed_func(g.forward)
-            self._made.append(_Built(g, delegates, build, "backward" if self._made else "forward"))
-            return self._made[-1]
+            self.made.append(_Built(g, delegates, build, "backward" if self.made else "forward"))
+            return self.made[-1]
 
         def forward(*inputs: torch.Tensor) -> tuple:
-            return tuple(gm(*inputs))
+            return tuple(o.detach() if kept is not None and k not in kept and isinstance(o, torch.Tensor) else o
+                         for k, o in enumerate(gm(*inputs)))
 
-        self._run = aot_function(forward, fw_compiler=compile, bw_compiler=compile)
+        self.run = aot_function(forward, fw_compiler=compile, bw_compiler=compile)
+
+    def prepare(self, examples: list[torch.Tensor]) -> None:
+        """Trace and build, forward and backward (AOTAutograd compiles the backward at its first
+        run), by running once on `examples` (the values and gradients dropped)."""
+        with torch.enable_grad(), _no_donated_buffers():
+            outs = [o for o in self.run(*examples) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        for built in self.made:
+            built.build()
+        self.ready = True
+
+
+# forms kept per graph besides the full one: the sets of outputs a loss reads are few
+_KEPT_FORMS = 2
+
+
+class Differentiable:
+    """`graph` as a function of its placeholders' values whose outputs autograd can differentiate.
+
+    Its backward computes the gradients of the outputs that get one. ActMAD's loss reads the
+    BatchNorm features its hooks collect, not the logits: AOTAutograd's backward of every output
+    ran RT-DETR's decoder backward on zero gradients, which eager autograd never runs (its graph on
+    eager 20.7 ms against eager's whole backward 17.9). Once two backwards in a row got gradients
+    for the same outputs, calls run a form of the graph whose other outputs are detached
+    (`_Form`); an output outside it that gets a gradient after all is differentiated through the
+    full form, run again on the saved inputs (autograd's own check of the inputs' versions holds)."""
+
+    def __init__(self, graph: CapturedGraph, delegates: Sequence[Delegate], build: Callable):
+        """`build(graph, delegates, inputs)`: the pipeline's build_program."""
+        self._graph, self._delegates, self._build = graph.gm, delegates, build
+        self._forms: dict[frozenset[int] | None, _Form] = {None: _Form(graph.gm, None, delegates, build)}
         self._reach: list[frozenset[int]] = []  # per output: the inputs eager's backward reaches from it
+        self._grads: list[bool] = []  # per output: does it require grad
+        self._given: tuple[frozenset[int] | None, frozenset[int] | None] = (None, None)  # the last two backwards'
         # the state the run's values are written into (BatchNorm's running statistics), which the
         # backward may keep (native_batch_norm_backward takes them): a copy, so the write after the
         # run leaves what it keeps as it was
         self._state = sorted(set(graph.writes))
-        self._ready, self._failed = False, False
-        self._job: Future | None = None
         self._key, self._n_ops = graph.key, len(graph.op_nodes())
 
     def programs(self) -> list:
-        """The programs built of its forward and backward graphs (none on eager alone)."""
-        return [b.program for b in self._made if b.program is not None]
+        """The programs built of its forms' forward and backward graphs (none on eager alone)."""
+        return [b.program for f in self._forms.values() for b in f.made if b.program is not None]
 
     def _prepare(self, examples: list[torch.Tensor]) -> None:
-        """Trace and build, forward and backward (AOTAutograd compiles the backward at its first
-        run), by running once on `examples` (the values and gradients dropped)."""
-        with torch.enable_grad(), _no_donated_buffers():
-            self._reach = _reach(self._graph(*examples), examples)
-            outs = [o for o in self._run(*examples) if isinstance(o, torch.Tensor) and o.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        for built in self._made:
-            built.build()
-        self._ready = True
+        """The full form traced and built; which outputs require grad, and what each reaches."""
+        with torch.enable_grad():
+            outs = self._graph(*examples)
+            self._reach = _reach(outs, examples)
+            self._grads = [isinstance(o, torch.Tensor) and o.requires_grad for o in outs]
+        self._forms[None].prepare(examples)
+
+    def saw(self, given: frozenset[int]) -> None:
+        """A backward got gradients for the outputs `given`."""
+        self._given = (self._given[1], given)
+
+    def _available(self, form: _Form, inputs: list, submit: Callable | None, prepare: Callable) -> bool:
+        """Is `form` ready to run? Its making started (off the call by `submit`) if not."""
+        if not form.ready and not form.failed:
+            if form.job is None:
+                examples = [_example(t) for t in inputs]
+                form.job = submit(prepare, examples) if submit is not None else _done(prepare, examples)
+            if form.job.done() and form.job.exception() is not None:
+                e = form.job.exception()
+                form.failed = True
+                events.fallback("replay", f"no backward for its graph: {type(e).__name__}: {e}", self._key, self._n_ops)
+        return form.ready
+
+    def _form(self, inputs: list, submit: Callable | None) -> _Form:
+        """The form for the outputs the last two backwards got gradients for, where it is ready."""
+        last, now = self._given
+        kept = now if now is not None and now == last and len(now) < sum(self._grads) else None
+        form = self._forms.get(kept)
+        if form is None and kept is not None and len(self._forms) <= _KEPT_FORMS:
+            form = self._forms[kept] = _Form(self._graph, kept, self._delegates, self._build)
+        if form is None or not self._available(form, inputs, submit, form.prepare):
+            return self._forms[None]
+        return form
 
     def __call__(self, inputs: list[torch.Tensor], submit: Callable[..., Future] | None = None) -> list | None:
         """The outputs, carrying the backward; None while it is being made off the call (`submit`
         runs a job there; None: made in the call), and for good if it could not be made (an op
         AOTAutograd cannot differentiate: the calls go on recording, as eager runs them)."""
-        if not self._ready:
-            if self._failed:
-                return None
-            if self._job is None:
-                examples = [_example(t) for t in inputs]
-                self._job = submit(self._prepare, examples) if submit is not None else _done(self._prepare, examples)
-            if not self._job.done():
-                return None
-            if self._job.exception() is not None:
-                e = self._job.exception()
-                self._failed = True
-                events.fallback("replay", f"no backward for its graph: {type(e).__name__}: {e}", self._key, self._n_ops)
-                return None
+        if not self._available(self._forms[None], inputs, submit, self._prepare):
+            return None
+        form = self._form(inputs, submit)
         if self._state:
             inputs = list(inputs)
             for i in self._state:
                 inputs[i] = inputs[i].clone()
-        return list(_AsEager.apply(self._run, self._reach, *inputs))
+        return list(_AsEager.apply(self, form, *inputs))
 
 
 class _AsEager(torch.autograd.Function):
@@ -189,19 +246,21 @@ class _AsEager(torch.autograd.Function):
     would send zeros to the weights only it depends on, where eager leaves their `.grad` None (an
     optimizer with weight decay then moves them, and a weight baked into a program is found
     written). The backward asks the inner function for the gradients of the outputs that got one,
-    and gives None to every input that eager's graph does not reach from those (`_reach`)."""
+    and gives None to every input that eager's graph does not reach from those (`_reach`); where
+    the form run detached one of those outputs, the full form runs again to differentiate it."""
 
     @staticmethod
-    def forward(ctx, run: Callable, reach: list, *inputs: torch.Tensor) -> tuple:
+    def forward(ctx, whole: Differentiable, form: _Form, *inputs: torch.Tensor) -> tuple:
         ctx.set_materialize_grads(False)
         leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
         with torch.enable_grad():
-            outs = run(*leaves)
+            outs = form.run(*leaves)
         # saved, not kept on ctx: autograd frees the inner graph after a backward without retain_graph
         values = [*leaves, *outs]
         ctx.save_for_backward(*[v for v in values if isinstance(v, torch.Tensor)])
-        ctx.values, ctx.n, ctx.reach = [None if isinstance(v, torch.Tensor) else v for v in values], len(leaves), reach
-        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor) and not o.requires_grad])
+        ctx.values, ctx.n, ctx.whole, ctx.form = [None if isinstance(v, torch.Tensor) else v for v in values], \
+            len(leaves), whole, form
+        ctx.mark_non_differentiable(*[o for o, grad in zip(outs, whole._grads) if isinstance(o, torch.Tensor) and not grad])
         return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
 
     @staticmethod
@@ -209,8 +268,14 @@ class _AsEager(torch.autograd.Function):
         tensors = iter(ctx.saved_tensors)
         values = [next(tensors) if v is None else v for v in ctx.values]
         leaves, outs = values[:ctx.n], values[ctx.n:]
-        given = [k for k, g in enumerate(grads) if g is not None and getattr(outs[k], "requires_grad", False)]
-        reached = frozenset().union(*[ctx.reach[k] for k in given])
+        whole = ctx.whole
+        given = [k for k, g in enumerate(grads) if g is not None and whole._grads[k]]
+        whole.saw(frozenset(given))
+        if ctx.form.kept is not None and not ctx.form.kept.issuperset(given):
+            leaves = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in leaves]
+            with torch.enable_grad():
+                outs = whole._forms[None].run(*leaves)
+        reached = frozenset().union(*[whole._reach[k] for k in given])
         wanted = [i for i in sorted(reached) if leaves[i].requires_grad]
         result: list = [None] * len(leaves)
         if given and wanted:
