@@ -5,6 +5,7 @@ rounding on `ort`, whose partitions then run the forward and the backward."""
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -234,6 +235,28 @@ def test_a_loss_that_reads_one_output_runs_a_backward_of_that_output_alone(deleg
             # the features' output alone (the graph's outputs: features, logits, in its own order)
             assert [len(f.kept) for f in kept] == [1], [(d._given, list(d._forms)) for d in _differentiated()]
     assert torchnative.stats()["replays"] >= 6, torchnative.stats()
+
+
+def test_a_graph_that_draws_random_numbers_has_no_kept_form():
+    """Dropout's mask is drawn in the forward: the full form run again for an unexpected output's
+    gradient would draw another, so such a graph keeps its full form. (Random ops cut graphs at
+    the door today, so no replayed graph has one; a graph that had one would be held to this.)"""
+    from torchnative.build import differentiable
+    from torchnative.ir import CapturedGraph
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    h = g.call_function(aten.mm.default, (x, w))
+    dropped = g.call_function(aten.native_dropout.default, (h, 0.5, True))
+    g.output((g.call_function(operator.getitem, (dropped, 0)), g.call_function(aten.sin.default, (h,))))
+    whole = differentiable.Differentiable(CapturedGraph(torch.fx.GraphModule(torch.nn.Module(), g), ["input"] * 2,
+                                                        ["output"] * 2), [], None)
+    x, w = torch.randn(3, 4), torch.randn(4, 4, requires_grad=True)
+    assert whole([x, w]) is not None  # the full form, made in the call (no submit)
+    whole.saw(frozenset({0}))
+    whole.saw(frozenset({0}))
+    assert whole._form([x, w], None) is whole._forms[None] and list(whole._forms) == [None]
 
 
 def test_the_form_of_one_output_saves_less_for_its_backward_than_the_full_one():

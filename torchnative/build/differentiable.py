@@ -186,6 +186,9 @@ class Differentiable:
         # run leaves what it keeps as it was
         self._state = sorted(set(graph.writes))
         self._key, self._n_ops = graph.key, len(graph.op_nodes())
+        # a graph that draws random numbers (dropout) has no kept form: the full form run again for
+        # an output outside it would draw others than the forward did
+        self._random = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in graph.op_nodes())
 
     def programs(self) -> list:
         """The programs built of its forms' forward and backward graphs (none on eager alone)."""
@@ -218,7 +221,7 @@ class Differentiable:
     def _form(self, inputs: list, submit: Callable | None) -> _Form:
         """The form for the outputs the last two backwards got gradients for, where it is ready."""
         last, now = self._given
-        kept = now if now is not None and now == last and len(now) < sum(self._grads) else None
+        kept = now if now is not None and now == last and len(now) < sum(self._grads) and not self._random else None
         form = self._forms.get(kept)
         if form is None and kept is not None and len(self._forms) <= _KEPT_FORMS:
             form = self._forms[kept] = _Form(self._graph, kept, self._delegates, self._build)
