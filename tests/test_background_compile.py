@@ -586,3 +586,28 @@ def test_a_compile_process_is_not_forked_while_another_thread_imports(tmp_path, 
         pool.shutdown(wait=False)
         importing.join()
     assert got.payload == bytes([7])
+
+
+def test_an_in_call_build_runs_torch_on_one_thread_and_its_programs_on_the_callers():
+    """The compile thread's own torch ops run on one thread: a thread that ran one on two keeps an
+    OpenMP team, and libgomp then throttles every team's spin (more threads than cores), so every
+    eager op of the process after the first in-call build ran slower (an ActMAD step on RT-DETR
+    36 -> 72 ms). The programs it loads take the caller's count."""
+    import onnxruntime as ort
+
+    from torchnative.delegates import base
+
+    clear_caches()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    accelerated = torchnative.accelerate(copy.deepcopy(model), delegates=["ort"], compile_after=2, background=False)
+    x = torch.randn(256, 64)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(accelerated(x), model(x), rtol=1e-4, atol=1e-5)
+    assert base._compiler.submit(torch.get_num_threads).result() == 1
+    sessions = [c.cell_contents.__self__ for p in programs() for s in p.steps if getattr(s.run, "__closure__", None)
+                for c in s.run.__closure__ if isinstance(getattr(c.cell_contents, "__self__", None), ort.InferenceSession)]
+    sessions += [c.cell_contents for p in programs() for s in p.steps for c in (getattr(s.run, "__closure__", None) or ())
+                 if isinstance(c.cell_contents, ort.InferenceSession)]
+    assert sessions, [s.run for p in programs() for s in p.steps]
+    assert {s.get_session_options().intra_op_num_threads for s in sessions} == {torch.get_num_threads()}

@@ -116,14 +116,7 @@ class _Built:
 
 class _Form:
     """AOTAutograd's function of the graph, its outputs outside `kept` detached (None: none): its
-    forward saves, and its backward computes, what the gradients of the kept outputs need only.
-
-    A kept form's backward runs as traced, on eager: built for ONNX Runtime (RT-DETR's, 42 of 211
-    outputs kept), it lost its trial (37.5 against 32.9 ms) and left every eager op of the process
-    slower for good (ActMAD's eager step 36 -> 72 ms; parallel ops alone: a 256x256 mm 156 -> 235
-    µs). Cause not found: not threads, affinity, GC or the programs' lifetime; with
-    OMP_WAIT_POLICY=active it does not happen, so OpenMP's workers sleep between regions after it
-    (libgomp throttles its spinning once it manages more threads than cores)."""
+    forward saves, and its backward computes, what the gradients of the kept outputs need only."""
 
     def __init__(self, gm: fx.GraphModule, kept: frozenset[int] | None, delegates: Sequence[Delegate], build: Callable):
         from functorch.compile import aot_function, make_boxed_func
@@ -136,7 +129,7 @@ class _Form:
         self.job: Future | None = None
 
         def compile(g: fx.GraphModule, example_inputs: list) -> Callable:
-            if all(d is eager for d in delegates) or (self.made and kept is not None):
+            if all(d is eager for d in delegates):
                 return make_boxed_func(g.forward)
             self.made.append(_Built(g, delegates, build, "backward" if self.made else "forward"))
             return self.made[-1]
@@ -188,7 +181,7 @@ class Differentiable:
         self._key, self._n_ops = graph.key, len(graph.op_nodes())
         # a graph that draws random numbers (dropout) has no kept form: the full form run again for
         # an output outside it would draw others than the forward did
-        self._random = any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in graph.op_nodes())
+        self._random = any(_draws(n) for n in graph.op_nodes())
 
     def programs(self) -> list:
         """The programs built of its forms' forward and backward graphs (none on eager alone)."""
@@ -291,6 +284,18 @@ class _AsEager(torch.autograd.Function):
             for i, g in zip(wanted, got):
                 result[i] = g
         return (None, None, *result)
+
+
+def _draws(n: fx.Node) -> bool:
+    """Does the op draw random numbers? Attention is tagged so for its dropout, which is 0 in eval
+    and in most models (RT-DETR's): it draws with a dropout above 0."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    names = [a.name for a in n.target._schema.arguments]
+    if "dropout_p" in names:
+        k = names.index("dropout_p")
+        return bool(n.args[k] if len(n.args) > k else n.kwargs.get("dropout_p", 0.0))
+    return True
 
 
 def _reach(outs: Sequence, inputs: Sequence) -> list[frozenset[int]]:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from torchnative import threads
 from torchnative.interface import Support
 from torchnative.passes.state import SLICE_UPDATE
 from torchnative.delegates.onnx_export import slice_write
@@ -109,4 +110,8 @@ def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
     itself would never return, or the background compiles'). One traces at a time."""
     if getattr(_fresh, "yes", False):
         return _traced(fn, *args)
-    return _compiler.submit(_traced, fn, *args).result()
+    # with one torch thread: a thread that ran a parallel op with two keeps an OpenMP team for good,
+    # and once libgomp manages more threads than cores it throttles every team's spin, so the
+    # caller's workers sleep between regions: every eager op of the process after the first
+    # in-call build ran slower (an RT-DETR ActMAD step 36 -> 72 ms, a 256x256 mm 156 -> 235 µs)
+    return _compiler.submit(threads.on_one_thread(_traced, threads.for_programs()), fn, *args).result()
