@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
+from torchnative.delegates.base import traced
 from torchnative.interface import Delegate
 from torchnative.ir import CapturedGraph
 
@@ -142,14 +143,21 @@ class _Form:
 
     def prepare(self, examples: list[torch.Tensor]) -> None:
         """Trace and build, forward and backward (AOTAutograd compiles the backward at its first
-        run), by running once on `examples` (the values and gradients dropped)."""
+        run), by running once on `examples` (the values and gradients dropped). The tracing is the
+        process's one trace at a time: a kept form, asked for after the calls stopped waiting for
+        compiles, traced in the background beside an export on the caller's thread, and fx's
+        process-wide proxy state failed both and every trace after ("s22 is not tracked with
+        proxy")."""
+        traced(self._trace, examples)
+        for built in self.made:
+            built.build()
+        self.ready = True
+
+    def _trace(self, examples: list[torch.Tensor]) -> None:
         with torch.enable_grad(), _no_donated_buffers():
             outs = [o for o in self.run(*examples) if isinstance(o, torch.Tensor) and o.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        for built in self.made:
-            built.build()
-        self.ready = True
 
 
 # forms kept per graph besides the full one: the sets of outputs a loss reads are few

@@ -54,7 +54,8 @@ _tracing = threading.RLock()
 _tracer: int | None = None  # the thread that holds _tracing
 
 
-def _traced(fn: Callable[..., Any], *args: Any) -> Any:
+def traced(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` as the one trace (or export) of the process at a time (`_tracing`)."""
     global _tracer
     with _tracing:
         outer, _tracer = _tracer, threading.get_ident()
@@ -109,9 +110,9 @@ def in_clean_thread(fn: Callable[..., Any], *args: Any) -> Any:
     (a thread marked by `fresh_dispatch_state`: the compile thread itself, which waiting on
     itself would never return, or the background compiles'). One traces at a time."""
     if getattr(_fresh, "yes", False):
-        return _traced(fn, *args)
+        return traced(fn, *args)
     # with one torch thread: a thread that ran a parallel op with two keeps an OpenMP team for good,
     # and once libgomp manages more threads than cores it throttles every team's spin, so the
     # caller's workers sleep between regions: every eager op of the process after the first
     # in-call build ran slower (an RT-DETR ActMAD step 36 -> 72 ms, a 256x256 mm 156 -> 235 µs)
-    return _compiler.submit(threads.on_one_thread(_traced, threads.for_programs()), fn, *args).result()
+    return _compiler.submit(threads.on_one_thread(traced, threads.for_programs()), fn, *args).result()
