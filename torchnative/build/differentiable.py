@@ -104,7 +104,7 @@ class _Built:
     def _choose(self, ours: float, eager: float) -> None:
         self.times, self.slower = None, ours > eager
         if self.slower:
-            self.program = None  # nor its runtimes' memory and threads kept
+            self.program = None  # never run again: its runtimes and their memory let go
             events.fallback("replay", f"the {self.what}'s program took {ours * 1e3:.1f} ms, its graph on eager "
                                       f"{eager * 1e3:.1f} ms: it runs on eager", "", len(self.gm.graph.nodes))
 
