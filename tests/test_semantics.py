@@ -166,6 +166,37 @@ def test_inference_mode_capture():
     assert torch.allclose(out, ref)
 
 
+
+@pytest.mark.parametrize("view", [lambda x: x.view(16), lambda x: x[1:], lambda x: x.t(), lambda x: x.unsqueeze(0),
+                                  lambda x: x.expand(2, 4, 4), lambda x: x.select(0, 1)],
+                         ids=["view", "slice", "t", "unsqueeze", "expand", "select"])
+def test_views_of_a_normal_tensor_recorded_in_inference_mode(view):
+    """Eager's view of a normal tensor in inference mode is a normal tensor sharing its base's
+    version counter, which torch sets on what the door returns: a pending view made as an
+    inference tensor raised "Cannot set version_counter for inference tensor" (GPT-2's first
+    op, `input_ids.view`, in any call recorded under torch.inference_mode())."""
+    x = torch.randn(4, 4)
+    with torch.inference_mode():
+        v_ref = view(x)
+        ref = v_ref * 2
+        with torchnative.capture():
+            v = view(x)
+            out = v * 2
+        assert torch.equal(out, ref)
+        assert (v.is_inference(), out.is_inference()) == (v_ref.is_inference(), ref.is_inference()) == (False, True)
+
+
+def test_a_tensor_made_from_data_in_inference_mode_is_recorded_as_eager_makes_it():
+    """`torch.tensor([])` (a transformers cache's lazy init) runs `detach_` on its new tensor in
+    inference mode; recorded as a write of the tensor into itself, reading it back recursed
+    without end."""
+    x = torch.randn(3)
+    with torch.inference_mode():
+        with torchnative.capture():
+            empty = torch.tensor([])
+            out = torch.cat([empty, x * 2])
+        assert torch.equal(out, x * 2) and empty.shape == (0,) and empty.is_inference()
+
 def test_backward_inside_capture_matches_eager():
     import copy
     torch.manual_seed(0)

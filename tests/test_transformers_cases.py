@@ -221,3 +221,25 @@ def test_every_model_called_at_new_shapes_equals_eager(delegate):
                     assert_same(twin(**i)[key], e, rtol=1e-4, atol=1e-5)
             finally:
                 torchnative.deaccelerate(model)
+
+
+@pytest.mark.parametrize("delegate", DELEGATES)
+def test_calls_under_inference_mode_equal_eager(delegate):
+    """`torch.inference_mode()` around every call (as inference servers write it), from the first
+    call, after a weight changed (the call records again) and in generate(): recording in
+    inference mode crashed on GPT-2's first op (a view of the input) and on its cache's lazy
+    `torch.tensor([])`."""
+    eager = _causal("gpt2")
+    accelerated = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate])
+    ids, mask = _left_padded()
+    tol = dict(atol=0, rtol=0) if delegate == "eager" else dict(atol=1e-4, rtol=1e-4)
+    torchnative.reset_stats()
+    with torch.inference_mode():
+        for i in range(4):
+            if i == 2:
+                for m in (eager, accelerated):
+                    m.transformer.h[0].mlp.c_fc.weight.mul_(0.5)
+            assert_same(accelerated(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits, **tol)
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(accelerated.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    assert torchnative.stats()["graph_runs"] > 0

@@ -228,6 +228,10 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.RECORD)
     if op is aten.lift_fresh.default:
         return OpClass(Kind.IDENTITY)
+    if op is aten.detach_.default:
+        # autograd's part (the tensor's own grad state) is done above the door; below it no data
+        # changes. Reaches the door in inference mode (`torch.tensor([])`: a KV cache's lazy init)
+        return OpClass(Kind.IDENTITY)
     if op is aten.detach.default:
         # kept as itself, not torch's `alias` decomposition: a graph differentiated as recorded
         # (build/differentiable.py) must stop gradients where the model did (RT-DETR detaches its

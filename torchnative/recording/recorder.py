@@ -10,6 +10,7 @@ Warm path per op: classify (dict) → encode arguments → one trie lookup → w
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -30,6 +31,8 @@ _make = torch.Tensor._make_wrapper_subclass
 _no_data = torch._C._set_throw_on_mutable_data_ptr
 _DATA = torch._C.TensorBase.data  # the getset descriptor
 _wref = weakref.ref
+_inference = torch.is_inference_mode_enabled
+_normal = functools.partial(torch.inference_mode, False)
 _TRUE, _FALSE = "\0T", "\0F"
 _RECORD, _DIRECT, _DECOMPOSE, _INPLACE, _IDENTITY, _RESHAPE, _ANSWER, _RANDOM, _READ, _ASIDE = (
     Kind.RECORD, Kind.DIRECT, Kind.DECOMPOSE, Kind.INPLACE, Kind.IDENTITY, Kind.RESHAPE, Kind.ANSWER, Kind.RANDOM,
@@ -248,7 +251,14 @@ class Recorder:
         live = self.live
         if not node.sequence:
             shape, stride, offset, dtype = node.out_metas[0]
-            t = _pending(shape, stride, offset, dtype)
+            if is_view and _inference() and not args[0].is_inference():
+                # eager's view of a normal tensor in inference mode is a normal tensor, sharing its
+                # base's version counter, which torch sets on what the door returns: an inference
+                # tensor there fails ("Cannot set version_counter for inference tensor")
+                with _normal():
+                    t = _pending(shape, stride, offset, dtype)
+            else:
+                t = _pending(shape, stride, offset, dtype)
             t._slot = node.out_slots[0]
             if is_view:
                 self.mark_view(t, op, args, kwargs)
