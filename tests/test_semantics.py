@@ -197,6 +197,37 @@ def test_a_tensor_made_from_data_in_inference_mode_is_recorded_as_eager_makes_it
             out = torch.cat([empty, x * 2])
         assert torch.equal(out, x * 2) and empty.shape == (0,) and empty.is_inference()
 
+
+class _DropoutAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.drop = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 5, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+        return self.out(self.drop(a.transpose(1, 2).reshape(2, 5, 16)))
+
+
+def test_dropout_and_attention_in_inference_mode_are_one_graph_as_under_no_grad():
+    """Outside inference mode dropout and SDPA are decomposed above the door (at the Autograd
+    key); in it they reach the door whole, and their random-op tag cut the graph at each: GPT-2
+    recorded 8 graphs per call there (1 under no_grad), BERT 9. In train mode dropout still
+    draws when eager draws, from the same generator."""
+    torch.manual_seed(0)
+    model, x = _DropoutAttention(), torch.randn(2, 5, 16)
+    for train in (False, True):
+        model.train(train)
+        with torch.inference_mode():
+            torch.manual_seed(1)
+            ref = model(x)
+            torch.manual_seed(1)
+            explained = torchnative.explain(model, x)
+        # its graph's ops may run on a delegate (explain compiles): a mask drawn otherwise would differ by far more
+        assert torch.allclose(explained.output, ref, rtol=0, atol=1e-6)
+        if not train:
+            assert len(explained.graphs) == 1 and not explained.breaks
+
 def test_backward_inside_capture_matches_eager():
     import copy
     torch.manual_seed(0)

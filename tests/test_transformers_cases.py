@@ -243,3 +243,17 @@ def test_calls_under_inference_mode_equal_eager(delegate):
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(accelerated.generate(ids, **kwargs), eager.generate(ids, **kwargs))
     assert torchnative.stats()["graph_runs"] > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_inference_mode_records_the_graphs_no_grad_records(arch):
+    """Dropout and attention reach the door whole in inference mode (no Autograd key decomposes
+    them above it): they cut GPT-2's call into 8 graphs there, BERT's into 9, 1 or 2 under no_grad."""
+    model = models.build(arch, "tiny")
+    inputs = models.example_inputs(arch, model, seq=9)
+    counts = {}
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            explained = torchnative.explain(model, **inputs)
+        counts[mode.__name__] = (len(explained.graphs), len(explained.breaks))
+    assert counts["inference_mode"] == counts["no_grad"]

@@ -215,6 +215,10 @@ def explicit_offset(c: OpClass, args: tuple, kwargs: dict) -> bool:
 _RESHAPES_INPLACE = frozenset({"squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"})
 
 
+def _composite(op: torch._ops.OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
 def _classify(op: torch._ops.OpOverload) -> OpClass:
     schema = op._schema
     namespace, name = schema.name.split("::")
@@ -245,6 +249,10 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.DIRECT, decomposition=DIRECT_DECOMPOSITIONS[op])
     if op in DOOR_DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DOOR_DECOMPOSITIONS[op])
+    if torch.Tag.nondeterministic_seeded in op.tags and _composite(op):
+        # decomposed above the door (at the Autograd key) but in inference mode, where it reaches
+        # the door whole: eval-mode dropout and SDPA cut every transformer layer's graph there
+        return OpClass(Kind.DECOMPOSE, decomposition=op.decompose)
     if torch.Tag.nondeterministic_seeded in op.tags:
         # Recorded lazily, a random op would draw at flush time, after Python may have reseeded
         # or restored the generator (fork_rng, manual_seed); so it runs when it is called.
@@ -269,7 +277,7 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.RECORD, is_view=op.is_view)
     if op in DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS[op])
-    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+    if _composite(op):
         return OpClass(Kind.DECOMPOSE, decomposition=op.decompose)
     # Not Core ATen and no decomposition: recorded as is; only the eager delegate will take it.
     return OpClass(Kind.RECORD, is_view=op.is_view)
