@@ -247,8 +247,9 @@ def test_calls_under_inference_mode_equal_eager(delegate):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 def test_inference_mode_records_the_graphs_no_grad_records(arch):
-    """Dropout and attention reach the door whole in inference mode (no Autograd key decomposes
-    them above it): they cut GPT-2's call into 8 graphs there, BERT's into 9, 1 or 2 under no_grad."""
+    """Composite ops reach the door whole in inference mode (no Autograd key decomposes them above
+    it): dropout and attention, tagged random, cut GPT-2's call into 8 graphs there, BERT's into 9
+    (1 or 2 under no_grad), and `if (mask == 0).any():` ran outside a graph, so no call replayed."""
     model = models.build(arch, "tiny")
     inputs = models.example_inputs(arch, model, seq=9)
     counts = {}
@@ -257,3 +258,11 @@ def test_inference_mode_records_the_graphs_no_grad_records(arch):
             explained = torchnative.explain(model, **inputs)
         counts[mode.__name__] = (len(explained.graphs), len(explained.breaks))
     assert counts["inference_mode"] == counts["no_grad"]
+    accelerated = torchnative.accelerate(copy.deepcopy(model), compile_after=2)
+    torchnative.reset_stats()
+    with torch.inference_mode():
+        for _ in range(5):
+            out = accelerated(**inputs)
+        expected = model(**inputs)
+    assert_same(out[0], expected[0], atol=1e-5, rtol=1e-5)  # logits, or the last hidden state
+    assert torchnative.stats()["replays"] >= 2 and not torchnative.stats()["replay_ineligible"]

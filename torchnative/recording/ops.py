@@ -249,10 +249,11 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.DIRECT, decomposition=DIRECT_DECOMPOSITIONS[op])
     if op in DOOR_DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DOOR_DECOMPOSITIONS[op])
-    if torch.Tag.nondeterministic_seeded in op.tags and _composite(op):
-        # decomposed above the door (at the Autograd key) but in inference mode, where it reaches
-        # the door whole: eval-mode dropout and SDPA cut every transformer layer's graph there
-        return OpClass(Kind.DECOMPOSE, decomposition=op.decompose)
+    if _composite(op) and torch.Tag.core not in op.tags and not schema.is_mutable:
+        # decomposed above the door (at the Autograd key), except in inference mode, where it
+        # reaches the door whole: eval-mode dropout and SDPA (tagged random) cut every transformer
+        # layer's graph there, and `if mask.any():` (is_nonzero, a read) ran outside any graph
+        return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS.get(op, op.decompose))
     if torch.Tag.nondeterministic_seeded in op.tags:
         # Recorded lazily, a random op would draw at flush time, after Python may have reseeded
         # or restored the generator (fork_rng, manual_seed); so it runs when it is called.
@@ -277,7 +278,5 @@ def _classify(op: torch._ops.OpOverload) -> OpClass:
         return OpClass(Kind.RECORD, is_view=op.is_view)
     if op in DECOMPOSITIONS:
         return OpClass(Kind.DECOMPOSE, decomposition=DECOMPOSITIONS[op])
-    if _composite(op):
-        return OpClass(Kind.DECOMPOSE, decomposition=op.decompose)
     # Not Core ATen and no decomposition: recorded as is; only the eager delegate will take it.
     return OpClass(Kind.RECORD, is_view=op.is_view)
