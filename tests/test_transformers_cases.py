@@ -227,8 +227,8 @@ def test_every_model_called_at_new_shapes_equals_eager(delegate):
 def test_calls_under_inference_mode_equal_eager(delegate):
     """`torch.inference_mode()` around every call (as inference servers write it), from the first
     call, after a weight changed (the call records again) and in generate(): recording in
-    inference mode crashed on GPT-2's first op (a view of the input) and on its cache's lazy
-    `torch.tensor([])`."""
+    inference mode crashed on GPT-2's first op (a view of the input), on its cache's lazy
+    `torch.tensor([])` and on a static cache's tensors, inference tensors, which have no version."""
     eager = _causal("gpt2")
     accelerated = torchnative.accelerate(copy.deepcopy(eager), delegates=[delegate])
     ids, mask = _left_padded()
@@ -242,6 +242,10 @@ def test_calls_under_inference_mode_equal_eager(delegate):
             assert_same(accelerated(ids, attention_mask=mask).logits, eager(ids, attention_mask=mask).logits, **tol)
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(accelerated.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+        # a static cache made in inference mode: its tensors, which the graphs write, have no version
+        for _ in range(2):
+            static = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+            assert torch.equal(accelerated.generate(ids[1:], **static), eager.generate(ids[1:], **static))
     assert torchnative.stats()["graph_runs"] > 0
 
 

@@ -36,3 +36,9 @@ def copy_back(roots: list[torch.Tensor], values: list[torch.Tensor]) -> None:
 def writes(t: torch.Tensor) -> int:
     """How many times captured graphs wrote `t` as state."""
     return getattr(t, WRITES, 0)
+
+
+def version(t: torch.Tensor) -> int:
+    """`t._version`, or -1 for an inference tensor, which has none (made in inference mode: a
+    static cache's tensors, or weights of a model built there)."""
+    return -1 if t.is_inference() else t._version

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.grad import no_grad, writes
+from torchnative.grad import no_grad, version, writes
 from torchnative.delegates.eager import delegate as eager
 from torchnative.interface import Artifact
 from torchnative.ir import CapturedGraph
@@ -33,7 +33,7 @@ def baked_state(t: torch.Tensor) -> tuple[int, int, int]:
     `set_`: the version does not move; delegates that take weights by address, as ONNX Runtime
     does, would read the old memory). An inference tensor has no version (passes/pin.py never
     lets one be baked)."""
-    return -1 if t.is_inference() else t._version, writes(t), t.data_ptr()
+    return version(t), writes(t), t.data_ptr()
 
 
 @dataclass

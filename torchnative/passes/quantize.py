@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
+from torchnative.grad import version
 from torchnative.ir import CapturedGraph
 from torchnative.lru import Lru
 from torchnative.passes.derived import Derived, add_constant
@@ -186,7 +187,7 @@ def why_not(w: torch.Tensor, scheme: str) -> str:
 
 
 def _cached(w: torch.Tensor, scheme: str, in_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (id(w), w._version, scheme, in_out)
+    key = (id(w), version(w), scheme, in_out)
     hit = _cache.get(key)
     if hit is None or hit[0]() is not w:  # a weakref: the cache must not keep old weights alive
         hit = _cache[key] = (weakref.ref(w), *quantize_tensor(w.detach().t().contiguous() if in_out else w, scheme))
@@ -244,7 +245,7 @@ def _kquantize_weights(graph: CapturedGraph, inputs: list[torch.Tensor], scheme:
 def _kcached(w: torch.Tensor, operand: torch.Tensor, scheme: str) -> tuple[Any, torch.Tensor]:
     """The k-quant of a weight operand (in, out), its values back in that layout, kept per weight
     version like the int schemes' (a weight read by several programs is quantized once)."""
-    key = (id(w), w._version, scheme, tuple(operand.shape), operand.stride())
+    key = (id(w), version(w), scheme, tuple(operand.shape), operand.stride())
     hit = _cache.get(key)
     if hit is None or hit[0]() is not w:
         q, values = kquantized(operand.t(), scheme)
@@ -254,7 +255,7 @@ def _kcached(w: torch.Tensor, operand: torch.Tensor, scheme: str) -> tuple[Any, 
 
 def _cached_values(w: torch.Tensor, scheme: str, in_out: bool, shape: list[int]) -> torch.Tensor:
     """The dequantized values, as the graph's ops compute them from q and scale, kept per weight version."""
-    key = (id(w), w._version, scheme, in_out, "values")
+    key = (id(w), version(w), scheme, in_out, "values")
     hit = _cache.get(key)
     if hit is None or hit[0]() is not w:
         q, scale = _cached(w, scheme, in_out)

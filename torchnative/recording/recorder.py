@@ -494,7 +494,8 @@ class Recorder:
         events.STATS.ops_recorded += n_ops
         self._reset()
         trie.bound()
-        versions = [r._version for r in roots]  # before the run: a program may write state in place
+        tracked = [r for r in roots if not r.is_inference()]  # an inference tensor has no version
+        versions = [r._version for r in tracked]  # before the run: a program may write state in place
         try:
             values = self.execute(Recorded(node, Signature(outputs, state)), inputs, n_ops, roots)
         except BaseException:
@@ -510,7 +511,7 @@ class Recorder:
             # the write-back is not one of the user's ops (a kernel's own writes, like BatchNorm's
             # running stats, bump nothing in eager), and autograd checks saved tensors' versions
             copy_back(roots, values[len(outputs):])
-            torch._C._autograd._unsafe_set_version_counter(roots, versions)
+            torch._C._autograd._unsafe_set_version_counter(tracked, versions)
         for t in pviews:
             base = t._vbase
             v = views.materialize(base._value if type(base) is LazyTensor else base, t._vchain)
