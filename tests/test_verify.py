@@ -134,3 +134,42 @@ def test_verification_runs_on_every_compiled_model_partition_without_false_alarm
         assert out is not None and not fallbacks, [f.reason for f in fallbacks]
     checked = [s for p in programs() for s in p.steps if s.verdict is not None]
     assert checked and all(s.verdict.ok for s in checked)
+
+
+def _float64_steps(f, *args) -> tuple[torch.Tensor, dict]:
+    clear_caches()
+    torchnative.reset_stats()
+    for _ in range(3):
+        with torchnative.capture(delegates=["ort"]):
+            out = f(*args)
+        out = out + 0
+    return out, torchnative.stats()
+
+
+def test_a_float64_partition_is_held_to_float64_precision():
+    """Float64 throughout, a partition is checked against 1e-10 of its scale, not float32's 1e-4:
+    torchlib rounds a Python float constant to float32 (GPT-2's `x * 0.7978845608028654`: 4e-9
+    off), which float32's bound let through. Such a partition runs on eager, exactly."""
+    x = torch.randn(4, 16, dtype=torch.float64)
+    f = lambda x: torch.tanh(x * 0.7978845608028654) * 0.5  # noqa: E731
+    out, stats = _float64_steps(f, x)
+    assert torch.equal(out, f(x))
+    assert any("verify:" in k and "float64 kernels" in k for k in stats["fallbacks"])
+
+
+def test_float64_attention_and_gelu_on_ort():
+    """Attention's constants (its scale, the masked score) are made in the inputs' dtype: float32
+    ones failed ONNX Runtime's type check for float64 inputs ("bound to different types"). GELU
+    and erf in float64 stay on eager, declined with the reason: no float64 Erf kernel, and the tanh
+    form's constants rounded to float32."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 32, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 1.5  # noqa: E731
+    out, stats = _float64_steps(attend, q, k, v)
+    assert not stats["fallbacks"] and (out - attend(q, k, v)).abs().max() < 1e-12
+    for approximate in ("none", "tanh"):
+        gelu = lambda x: torch.nn.functional.gelu(x * 2, approximate=approximate) + 1  # noqa: E731
+        explained = torchnative.explain(gelu, q)
+        assert torch.equal(explained.output, gelu(q))
+        assert any("float64 GELU" in why for p in explained.programs for _, _, why in p.declined)

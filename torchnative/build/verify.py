@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from torchnative import events
-from torchnative.interface import FLOAT32, HALF, Tolerance
+from torchnative.interface import FLOAT32, FLOAT64, HALF, Tolerance
 from torchnative.ir import CapturedGraph
 
 aten = torch.ops.aten
@@ -32,12 +32,15 @@ ENABLED = os.environ.get("TORCHNATIVE_VERIFY", "1") != "0"
 
 def tolerance_of(delegate: Any, graph: CapturedGraph) -> Tolerance:
     """The delegate's stated tolerance for this partition (FLOAT32 unless it states another),
-    HALF's where it is tighter and the partition computes in float16 or bfloat16."""
+    HALF's where it is tighter and the partition computes in float16 or bfloat16, FLOAT64's in place
+    of FLOAT32's where every float value of the partition is float64."""
     stated = getattr(delegate, "tolerance", None)
     tolerance = stated(graph) if stated is not None else FLOAT32
-    half = any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
-               for n in graph.gm.graph.nodes for v in _values(n.meta.get("val")))
-    return HALF if half and tolerance.bound < HALF.bound else tolerance
+    floats = {v.dtype for n in graph.gm.graph.nodes for v in _values(n.meta.get("val"))
+              if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+    if floats & {torch.float16, torch.bfloat16}:
+        return HALF if tolerance.bound < HALF.bound else tolerance
+    return FLOAT64 if floats == {torch.float64} and tolerance == FLOAT32 else tolerance
 
 
 def _values(val: Any) -> tuple:

@@ -182,16 +182,21 @@ def _translations() -> dict:
             key, value = repeat(key), repeat(value)
         scale = 1.0 / math.sqrt(size) if scale is None else scale
         # scaled after the product, as torch's CPU kernel does (before it, OpInfo's large samples differ by 1e-5)
-        scores = op18.Mul(op18.MatMul(query, op18.Transpose(key, perm=[0, 1, 3, 2])), op18.Constant(value_float=scale))
+        # constants in the inputs' dtype (float64, float16: ONNX binds both operands to one type)
+        like = lambda c: op18.CastLike(c, query)  # noqa: E731
+        product = op18.MatMul(query, op18.Transpose(key, perm=[0, 1, 3, 2]))
+        # the scale as a double, rounded to the inputs' dtype (1/√32 as a float32 attribute is 3e-9 off)
+        scale = op18.Constant(value=onnx.numpy_helper.from_array(numpy.array(scale, numpy.float64)))
+        scores = op18.Mul(product, like(scale))
         if is_causal and isinstance(length, int) and isinstance(positions, int):
             above = numpy.triu(numpy.full((length, positions), -numpy.inf, numpy.float32), 1)
-            scores = op18.Add(scores, op18.Constant(value=onnx.numpy_helper.from_array(above)))
+            scores = op18.Add(scores, like(op18.Constant(value=onnx.numpy_helper.from_array(above))))
         elif is_causal:
             minus = onnx.numpy_helper.from_array(numpy.array([-numpy.inf], numpy.float32))
-            scores = op18.Add(scores, op18.Trilu(op18.ConstantOfShape(shape(length, positions), value=minus),
-                                                 ints([1]), upper=1))
+            scores = op18.Add(scores, like(op18.Trilu(op18.ConstantOfShape(shape(length, positions), value=minus),
+                                                      ints([1]), upper=1)))
         if attn_mask is not None:
-            scores = op18.Where(attn_mask, scores, op18.Constant(value_float=-math.inf)) \
+            scores = op18.Where(attn_mask, scores, like(op18.Constant(value_float=-math.inf))) \
                 if attn_mask.dtype == onnx.TensorProto.BOOL else op18.Add(scores, attn_mask)
         out = op18.MatMul(op18.Softmax(scores, axis=-1), value)
         zero = op18.CastLike(op18.Constant(value_float=0.0), out)

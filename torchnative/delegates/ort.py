@@ -120,6 +120,9 @@ class OnnxRuntime:
         for v in tensors(node):
             if v.dtype.is_complex or v.dtype == torch.bfloat16:
                 return Support(False, f"{v.dtype} tensors: ONNX Runtime's CPU kernels or numpy cannot hold them")
+        if name in ("gelu", "erf") and any(v.dtype == torch.float64 for v in tensors(node)):
+            return Support(False, "float64 GELU and erf: ONNX Runtime has no float64 Erf kernel, and torchlib's tanh "
+                                  "GELU rounds its constants to float32 (1e-9 off eager)")
         if name in _REDUCTIONS and any(v.dim() == 0 for v in tensors(node)):
             return Support(False, f"{node.target} of a 0-d tensor does not convert")
         if name.startswith("avg_pool") and len(node.args) > 4 and node.args[4]:
