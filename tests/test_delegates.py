@@ -591,3 +591,21 @@ def test_weights_written_apart_from_the_onnx_model_are_what_externalizing_them_a
     assert [i.name for i in apart.graph.initializer if i.raw_data] == []
     assert _externalize(after, graph.constants) == _externalize(apart, graph.constants) == names[1:]
     assert after.SerializeToString() == apart.SerializeToString()
+
+
+def test_a_bad_input_raises_eager_s_error_and_the_partition_stays_on_its_delegate():
+    """A token id past the vocabulary fails ONNX Runtime's Gather and eager's embedding alike: the
+    input is at fault. The call raises eager's error, naming the op and the user's line; the
+    partition stays on ONNX Runtime (it ran on eager from then on, counted as a fallback, after one
+    bad request to a server)."""
+    model = torchnative.accelerate(models.build("gpt2", "tiny"), delegates=["ort"])
+    ids = torch.randint(1, 1000, (2, 9))
+    with torch.no_grad():
+        for _ in range(3):
+            model(ids)
+        torchnative.reset_stats()
+        with pytest.raises(RuntimeError, match="embedding.*IndexError: index out of range"):
+            model(ids + 5000)
+        explained = torchnative.explain(model, ids)
+    assert not torchnative.stats()["fallbacks"]
+    assert all(d == "ort" for p in explained.programs for d, _ in p.partitions)

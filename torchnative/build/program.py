@@ -190,8 +190,8 @@ class Program:
 
     def _run_steps(self, inputs: list[torch.Tensor], timed: bool = False) -> list[torch.Tensor]:
         """The one loop over a program's partitions: each on its arguments, its outputs checked
-        and laid out as eager's; a delegate's partition that fails runs on eager from then on
-        (counted, reported), a loaded one's failure is raised naming it."""
+        and laid out as eager's; a delegate's partition that fails where eager does not runs on
+        eager from then on (counted, reported), a loaded one's failure is raised naming it."""
         if len(inputs) != self._n_inputs:  # values are found by position: a list of another length misplaces all
             raise ValueError(f"a program of {self._n_inputs - len(self.extra)} inputs was given "
                              f"{len(inputs) - len(self.extra)}")
@@ -208,11 +208,19 @@ class Program:
                     raise CapturedOpError(f"{step.label} failed: {type(e).__name__}: {e}") from e
                 if step.delegate == EAGER:
                     raise
-                events.fallback(step.delegate, f"run failed: {type(e).__name__}: {e}", self.graph.key, step.n_ops())
+                failed = step.delegate, step.inputs, step.run
                 step.delegate, step.inputs, step.run = EAGER, step.reads, eager.load(eager.compile(step.graph))
-                self._count()
                 self._index()
-                outs = step.run([values[k] for k in self._args[i]])
+                try:
+                    outs = step.run([values[k] for k in self._args[i]])
+                except Exception:
+                    # eager fails on these values too (a token id past the vocabulary): the call's
+                    # input is at fault, not the delegate, which keeps the partition
+                    step.delegate, step.inputs, step.run = failed
+                    self._index()
+                    raise
+                events.fallback(failed[0], f"run failed: {type(e).__name__}: {e}", self.graph.key, step.n_ops())
+                self._count()
             if timed:
                 events.emit(events.PartitionRun(step, self.graph.key if self.graph is not None else "", i, started,
                                                 time.perf_counter() - started))
