@@ -460,6 +460,13 @@ class Recorder:
         if id(t) in self.roots:
             self.flush(reason)
 
+    def read_real(self, t: torch.Tensor, reason: str) -> None:
+        """Python reads a real tensor's memory outside the dispatcher (`t.numpy()`): writes the
+        pending graph makes to it run first, and whoever watches is told of the read."""
+        self.written(t._base if t._base is not None else t, reason)
+        if self.observe is not None:
+            self.observe(None, (t,), None)
+
     def sync(self, t: LazyTensor, reason: str) -> None:
         """Called by a lazy tensor whose data Python needs (tolist, numpy, data_ptr, repr)."""
         if t._slot >= 0 or self.roots:
