@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from torchnative.shim.door import LazyTensor, current_handler, no_dispatch_modes
 
@@ -45,7 +46,9 @@ _PROPERTY = property(_get, _set, doc=_DATA.__doc__)
 
 def _numpy(self: torch.Tensor, *, force: bool = False) -> Any:
     handler = current_handler()
-    if handler is None or type(self) is LazyTensor:  # a lazy tensor's own numpy reads its value
+    # a lazy tensor's own numpy reads its value; with the door's mode off (a graph running, a
+    # delegate's runner feeding its inputs) numpy is torch's alone
+    if handler is None or type(self) is LazyTensor or not _len_torch_dispatch_stack():
         return _NUMPY(self, force=force)
     handler.read_real(self, "`.numpy()` of a tensor the pending graph writes")
     with no_dispatch_modes():
