@@ -1,6 +1,7 @@
 """Delegates against eager: every claimed op numerically (OpInfo samples, table-driven), models
 under accelerate with each delegate, and fallbacks that are counted, never silent."""
 
+import copy
 import math
 
 import pytest
@@ -604,8 +605,31 @@ def test_a_bad_input_raises_eager_s_error_and_the_partition_stays_on_its_delegat
         for _ in range(3):
             model(ids)
         torchnative.reset_stats()
-        with pytest.raises(RuntimeError, match="embedding.*IndexError: index out of range"):
+        with pytest.raises(IndexError, match="embedding.*IndexError: index out of range"):
             model(ids + 5000)
         explained = torchnative.explain(model, ids)
     assert not torchnative.stats()["fallbacks"]
+    assert all(d == "ort" for p in explained.programs for d, _ in p.partitions)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["in-call", "background"])
+def test_a_bad_input_on_the_call_that_builds_fails_that_call_only(background):
+    """The call that reaches the compile threshold (the second, here) gives its inputs to the
+    build, whose check runs the graph on eager first; a token id past the vocabulary fails it.
+    That call raises eager's error, naming the op (an IndexError, as eager's); the calls after it
+    equal eager's and the program is built from a later call's inputs. The old code raised a bare
+    IndexError from inside the check, in the call, or, built in the background, in the next
+    good call."""
+    base = models.build("gpt2", "tiny")
+    model = torchnative.accelerate(copy.deepcopy(base), delegates=["ort"], background=background)
+    ids = torch.randint(1, 1000, (2, 9))
+    with torch.no_grad():
+        want = base(ids).logits
+        assert torch.allclose(model(ids).logits, want, atol=1e-4)
+        with pytest.raises(IndexError, match="aten.embedding.*issued at .*index out of range"):
+            model(ids + 5000)
+        for _ in range(4):
+            assert torch.allclose(model(ids).logits, want, atol=1e-4)
+            torchnative.wait_for_compiles()
+        explained = torchnative.explain(model, ids)
     assert all(d == "ort" for p in explained.programs for d, _ in p.partitions)

@@ -1,4 +1,6 @@
 """Eager semantics under capture: views, in-place writes, aliasing, state, sync points."""
+import pickle
+
 import pytest
 import torch
 
@@ -93,6 +95,19 @@ def test_run_time_error_names_op_and_line():
     with pytest.raises(torchnative.CapturedOpError, match=r"aten\.embedding.*test_semantics\.py:\d+"):
         with torchnative.capture():
             out = torch.nn.functional.embedding(idx, weight)  # noqa: F841 (discarded results are not computed)
+
+
+def test_run_time_error_is_also_of_eagers_type():
+    """`except IndexError:` around code that indexes out of range catches it as in eager; the
+    error still names the op, pickles (a worker process sends it back) and keeps its message."""
+    weight, idx = torch.randn(5, 3), torch.tensor([1, 7])
+    with pytest.raises(IndexError, match=r"aten\.embedding.*index out of range") as caught:
+        with torchnative.capture():
+            out = torch.nn.functional.embedding(idx, weight)  # noqa: F841
+    assert isinstance(caught.value, torchnative.CapturedOpError)
+    back = pickle.loads(pickle.dumps(caught.value))
+    assert type(back) is type(caught.value) and str(back) == str(caught.value)
+    assert str(caught.value).startswith("aten.embedding")  # not quoted as a KeyError's message would be
 
 
 def test_inplace_cast_error_is_eagers():

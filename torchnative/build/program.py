@@ -23,7 +23,40 @@ from torchnative.sizes import SIZES, dense_order, dense_strides, narrowest, symb
 
 
 class CapturedOpError(RuntimeError):
-    """An op of a captured graph failed when the graph ran."""
+    """An op of a captured graph failed when the graph ran. The error raised is also an instance of
+    the op's own exception's type (`except IndexError:` around a call catches a token id past the
+    vocabulary, as it does in eager), where Python can combine the two types."""
+
+
+_OF_KIND: dict[type, type] = {}  # the op's exception type -> its CapturedOpError
+
+
+def captured_op_error(message: str, cause: BaseException) -> CapturedOpError:
+    """A CapturedOpError saying `message` that is also of `cause`'s type."""
+    return _of_kind(type(cause))(message)
+
+
+def _of_kind(kind: type) -> type:
+    if issubclass(CapturedOpError, kind) or issubclass(kind, CapturedOpError) or not issubclass(kind, Exception):
+        return CapturedOpError
+    if kind not in _OF_KIND:
+        try:  # BaseException's str and init, not the kind's (a KeyError would quote the message)
+            _OF_KIND[kind] = type(f"CapturedOpError[{kind.__name__}]", (CapturedOpError, kind),
+                                  {"__str__": BaseException.__str__, "__init__": BaseException.__init__,
+                                   "__reduce__": _reduce, "__module__": __name__})
+        except TypeError:  # a kind with its own instance layout (OSError, AttributeError)
+            _OF_KIND[kind] = CapturedOpError
+    return _OF_KIND[kind]
+
+
+def _reduce(error: CapturedOpError) -> tuple:
+    # a type made by type() pickles as what makes it again (an error sent back by a worker process)
+    kind = next(k for k in type(error).__bases__ if k is not CapturedOpError)
+    return _remade, (str(error), kind)
+
+
+def _remade(message: str, kind: type) -> CapturedOpError:
+    return _of_kind(kind)(message)
 
 
 def baked_state(t: torch.Tensor) -> tuple[int, int, int]:
@@ -205,7 +238,7 @@ class Program:
                     outs = [_eager_layout(v, *layout) for v, layout in zip(outs, self._layouts[i])]
             except Exception as e:
                 if step.graph is None:
-                    raise CapturedOpError(f"{step.label} failed: {type(e).__name__}: {e}") from e
+                    raise captured_op_error(f"{step.label} failed: {type(e).__name__}: {e}", e) from e
                 if step.delegate == EAGER:
                     raise
                 failed = step.delegate, step.inputs, step.run
@@ -267,12 +300,12 @@ class Program:
         except Exception:
             pass
         if not failing:
-            return CapturedOpError(f"captured graph failed: {type(error).__name__}: {error}")
+            return captured_op_error(f"captured graph failed: {type(error).__name__}: {error}", error)
         n = failing[0]
         filename, line = n.meta.get("stack") or ("<unknown>", 0)
-        return CapturedOpError(
+        return captured_op_error(
             f"{n.target} failed in a captured graph (issued at {filename}:{line}): "
-            f"{type(error).__name__}: {error}")
+            f"{type(error).__name__}: {error}", error)
 
 
 def _around(program: Program, i: int, step: Step, args: list, run: Callable) -> list:

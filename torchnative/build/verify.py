@@ -98,6 +98,11 @@ class _Eager(fx.Interpreter):
         return value
 
 
+class EagerFails(Exception):
+    """The graph fails on eager on the build's inputs (a token id past the vocabulary): the inputs
+    are at fault, not a delegate, and no program can be checked on them."""
+
+
 @dataclass
 class Reference:
     """Eager's value of every node of a prepared graph on its build inputs, and, per value that
@@ -116,7 +121,10 @@ def reference(graph: CapturedGraph, inputs: list, keep: set) -> Reference:
     with torch.no_grad():
         for fill in fills:
             run = _Eager(graph.gm, fill, keep)
-            run.run(*[a.clone() if isinstance(a, torch.Tensor) and len(fills) > 1 else a for a in args])
+            try:
+                run.run(*[a.clone() if isinstance(a, torch.Tensor) and len(fills) > 1 else a for a in args])
+            except Exception as e:
+                raise EagerFails(f"graph {graph.key[:12]} fails on eager on its build inputs: {type(e).__name__}: {e}") from e
             runs.append(run.values)
     defined = {}
     if len(runs) == 2:

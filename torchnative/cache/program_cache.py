@@ -35,6 +35,7 @@ from torchnative.cache import calibration
 from torchnative.lru import Lru
 from torchnative.build.pipeline import build_program
 from torchnative.build.program import Program, baked_state
+from torchnative.build.verify import EagerFails
 from torchnative.cache.templates import Template, Templates, annotated, confirm
 
 _FLOAT_UNDER_AUTOGRAD = "not quantized: autograd records the graph (run under torch.no_grad() to quantize)"
@@ -397,8 +398,11 @@ class ProgramCache:
             self._build_in_background(key, graph, inputs)
             events.STATS.compiling_runs += 1
             return Found(self._on_eager(graph, inputs, quantize).program, False, key)
-        p = build_program(_graph(graph, _rules(built_for)), delegates, inputs, quantize,
-                          calibration_sets=self.calibration.get(graph, []))
+        try:
+            p = build_program(_graph(graph, _rules(built_for)), delegates, inputs, quantize,
+                              calibration_sets=self.calibration.get(graph, []))
+        except EagerFails:  # this call's inputs are at fault: eager's program raises its error, naming the op
+            return self._on_eager(graph, inputs, quantize)
         self._took(key, p)
         return Found(p, False, None)
 
@@ -508,7 +512,10 @@ class ProgramCache:
         if not job.done():
             return
         del self.building[key]
-        p = job.result()  # a build that raised raises here, in the call, as it would have in the call
+        try:
+            p = job.result()  # a build that raised raises here, in the call, as it would have in the call
+        except EagerFails:  # the call it was given the inputs of raised eager's error; a later call builds
+            return
         # indices past the submitted inputs are constants the passes computed, which no one writes
         written = [submitted[i] for i, _, state in p.baked if i < len(submitted) and state != states[i]]
         for t in written:
