@@ -195,6 +195,17 @@ def _two_threads(m, x, i):
     return outs
 
 
+def _functorch(m, x, i):
+    """torch.func over the model between plain calls: batched per sample (vmap) and the input's
+    gradient (grad). Transformed calls run as eager (their tensors are the transform's wrappers);
+    the old code failed in both."""
+    with torch.no_grad():
+        plain = m(x)
+    per_sample = torch.func.vmap(m)(x.unsqueeze(1))
+    grad = torch.func.grad(lambda x: m(x).square().sum())(x)
+    return plain, per_sample, grad
+
+
 PATTERNS = [
     Pattern("plain", _plain),
     Pattern("ema teacher via .data", _ema_data, _teacher_of),
@@ -211,6 +222,7 @@ PATTERNS = [
     Pattern("boolean-mask pseudo-labels", _pseudo_labels),
     Pattern("numpy and PIL of intermediates", _numpy_and_pil),
     Pattern("no_grad and inference_mode mixed", _grad_modes_mixed),
+    Pattern("torch.func transforms between calls", _functorch, lambda m: m.eval()),
     # eval: in train mode the order of the threads' running-stat updates decides the result, in eager too
     Pattern("called from two threads", _two_threads, lambda m: m.eval()),
 ]

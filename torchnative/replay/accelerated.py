@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchnative import events
 from torchnative.cache import calibration as _calibration
 from torchnative.cache.program_cache import background, in_call, prepare
 from torchnative.recording.scalars import FloatSites
@@ -29,6 +30,9 @@ from torchnative.replay.trace import Trace
 from torchnative.replay.tracer import Tracer
 from torchnative.replay.worth import Worth
 from torchnative.shim import current_handler
+
+
+_FUNCTORCH = "a functorch transform (vmap, grad) is active: the call runs as eager"
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,12 @@ class AcceleratedForward:
         s = self.settings
         forward = self.__wrapped__
         with in_call():
+            # under a functorch transform (vmap, grad) the call runs as eager: its arguments are the
+            # transform's wrappers, which no trace can name, and a graph run at the session's end
+            # inside the transform makes values it wraps again (torch.func.grad of the output failed)
+            if current_handler() is None and torch._C._are_functorch_transforms_active():
+                events.STATS.replay_ineligible[_FUNCTORCH] += 1
+                return forward(*args, **kwargs)
             # inside a capture the outer session records; while calibrating every call is recorded
             if s.replay and current_handler() is None and not _calibration.active():
                 # one call at a time: the replayer's traces and snapshots are one call's view of the module
