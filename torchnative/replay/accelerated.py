@@ -9,6 +9,7 @@ its own forward, bound to the copy's weights with capture state of its own, neve
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -25,7 +26,8 @@ from torchnative.replay.guard import flatten_call, guard_key, same_apart_from_ob
 from torchnative.replay.replayer import Replayer, Entry
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
-from torchnative.replay.watch import Submodules, foreign_hook, module_changes, watch
+from torchnative.replay.floats import Following
+from torchnative.replay.watch import Submodules, dynamic_floats, foreign_hook, has_dynamic_floats, module_changes, watch
 from torchnative.replay.trace import Trace
 from torchnative.replay.tracer import Tracer
 from torchnative.replay.worth import Worth
@@ -116,8 +118,10 @@ class AcceleratedForward:
         watch(self.model)  # before the tracer: it counts the call's writes from here
         tracer = Tracer(hook_set)
         before = dict(replayer.snapshots)
+        following = Following([self.model, *(m for _, m in named)], dynamic_floats) if has_dynamic_floats() else None
         with session(s.delegates, replayer.weights, tracer, s.compile_after, s.quantize, s.background, sites=self._sites), \
-                logged(named, tracer.hooks):
+                logged(named, tracer.hooks), following or contextlib.nullcontext() as calc:
+            tracer.calc = calc
             out = forward(*args, **kwargs)
         out = real_outputs(out)
         if hooked is not None:

@@ -12,13 +12,14 @@ replays the trace whose span covers them (replay/new_sizes.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from torchnative import events
 from torchnative.lru import Lru
+from torchnative.replay.floats import varied
 from torchnative.replay.guard import Snapshot, erased
 from torchnative.replay.new_sizes import Span, Spans
 from torchnative.replay.trace import Ineligible, Miss, Trace, run
@@ -114,9 +115,12 @@ class Replayer:
             self.entries.pop(key, None)
             self.last = None
             return None
-        run = self.last.run + 1 if self.last is not None and self.last.trace.same_as(trace) else 1
+        run = 1
+        if self.last is not None and self.last.trace.same_as(trace):
+            run, trace = self.last.run + 1, _followed(self.last.trace, trace)
         entry = self.entries.get(key)
         if entry is not None and entry.trace.same_as(trace):
+            trace = _followed(entry.trace, trace)
             entry.seen += 1
             entry.trace, entry.run = trace, max(entry.run, run)
         else:
@@ -125,3 +129,11 @@ class Replayer:
         if self.spans is not None:
             self.spans.learn(self._erased(key), trace)
         return entry
+
+
+def _followed(before: Trace, after: Trace) -> Trace:
+    """`after`, a trace the same as `before`, knowing which of the module's dynamic float
+    attributes the two calls had at different values (replay/floats.py)."""
+    if not after.attrs:
+        return after
+    return replace(after, varied=varied(before.attrs, after.attrs, before.varied | after.varied))

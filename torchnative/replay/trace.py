@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from torchnative import events
 from torchnative.cache.program_cache import CACHE
 from torchnative.grad import copy_back
+from torchnative.replay.floats import checks_hold, evaluate, values_hold
 from torchnative.replay.guard import put, put_path, real
 from torchnative.replay.watch import module_changes
 from torchnative.build.program import baked_state
@@ -44,6 +45,8 @@ def resolve(src: tuple, leaves: list, produced: list, snapshots: dict) -> Any:
         return resolve(src[1], leaves, produced, snapshots).as_strided(*src[2:])
     if kind == "new":  # an object the call made (tracer._made): made again
         return _build(src[1], lambda t: resolve(t, leaves, produced, snapshots))
+    if kind == "calc":  # a float computed from module attributes (replay/floats.py): computed again
+        return evaluate(src[1])
     return src[1]  # "const", "lit", "py"
 
 
@@ -175,6 +178,14 @@ class Trace:
     # DynamicCache filled on its first call: each layer's keys, values, is_initialized, device);
     # path: the steps from the object to the field (guard.put_path)
     fills: tuple = ()
+    # ((fn, operands, result), ...): what Python made of the module's dynamic float attributes
+    # (comparisons, conversions; replay/floats.py), made again before the programs run
+    floats: tuple = ()
+    # ((weakref of a module, name, value), ...): its dynamic float attributes when the call was
+    # recorded; `varied`: those two recorded calls with this trace had at different values, which a
+    # replay may find at any value (the others must hold theirs)
+    attrs: tuple = field(default=(), compare=False)
+    varied: frozenset = field(default=frozenset(), compare=False)
     repaid: bool = field(default=False, compare=False)  # an eager program of it has repaid its compile: record again
 
     def held(self, snapshots: dict) -> "Trace":
@@ -228,7 +239,7 @@ class Trace:
                 and [(at, norm(src)) for at, src in self.sets] == [(at, norm(src)) for at, src in other.sets]
                 and [(at, norm(src)) for at, src in self.fills] == [(at, norm(src)) for at, src in other.fills]
                 and hooks(self) == hooks(other) and self.hook_set == other.hook_set and self.offsets == other.offsets
-                and checks(self) == checks(other))
+                and checks(self) == checks(other) and self.floats == other.floats)
 
     def view_ints(self) -> list[int]:
         """The shapes, strides and offsets of the views among its sources, in one order."""
@@ -299,6 +310,8 @@ def run(trace: Trace, leaves: list, snapshots: dict, submit: Callable | None = N
         got = read(weights)
         if type(got) is not type(expected) or got != expected:
             return Miss(None)
+    if trace.attrs and not (values_hold(trace.attrs, trace.varied) and checks_hold(trace.floats)):
+        return Miss(None)
     produced: list[list] = []
     for k, call in enumerate(trace.calls):
         if call.timed is not None and (CACHE.superseded(call.timed) or CACHE.repaid(call.timed)):

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from torchnative.replay.guard import SCALARS, Snapshot, is_plain
 from torchnative.replay.hooks import HookLog
 from torchnative.replay.trace import GraphCall, Ineligible, Trace
-from torchnative.replay.watch import module_changes
+from torchnative.replay.watch import float_sets, module_changes
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default
@@ -45,6 +45,8 @@ class Tracer:
         self.checks: list[tuple] = []     # (WeightRead, weights, value, runs before it)
         self.why: str | None = None
         self.changes = module_changes()
+        self.float_sets = float_sets()
+        self.calc = None  # replay/floats.Calc: what the call made of the module's dynamic float attributes
         self.hooks = HookLog()  # the forward hooks the call ran (replay/hooks.py)
         self.hook_set = hook_set
 
@@ -85,7 +87,7 @@ class Tracer:
         forward makes) is rebuilt by the replay (`_made`)."""
         if self.why is not None or self.hooks.why is not None:
             raise Ineligible(self.why or self.hooks.why)
-        if module_changes() != self.changes:
+        if module_changes() != self.changes or float_sets() != self.float_sets:
             raise Ineligible("the call set a module attribute or registered a parameter or buffer (a replay would skip it)")
         where: dict[int, tuple] = {}    # id(tensor) -> source
         sits: list[int] = []            # arguments whose offsets a view source counts from their storage's start
@@ -108,6 +110,10 @@ class Tracer:
             s = where.get(id(x))
             if s is not None:
                 return s
+            if type(x) is float and self.calc is not None:  # made of a dynamic float attribute: made again
+                expr = self.calc.expression(x)
+                if expr is not None:
+                    return ("calc", expr)
             if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() in rewritten:
                 raise Ineligible("a graph reads a view of a tensor an earlier graph wrote (a replay writes it at the end)")
             if not isinstance(x, torch.Tensor):
@@ -138,8 +144,9 @@ class Tracer:
             reads[k].append((j, value))
         steps = []
         for k, (program, inputs, values, roots) in enumerate(self.runs):
-            if not all(isinstance(x, torch.Tensor) for x in inputs):
-                raise Ineligible("a Python float that changes between calls is an input of a graph (a replay cannot know its next value)")
+            if not all(isinstance(x, torch.Tensor) or source(x)[0] == "calc" for x in inputs):
+                raise Ineligible("a Python float that changes between calls is an input of a graph, and not one "
+                                 "computed from a module's float attribute (a replay cannot know its next value)")
             grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
             sources = tuple(source(x) for x in inputs)
             writes = tuple(homes.setdefault(id(r), source(r)) for r in roots)
@@ -176,7 +183,8 @@ class Tracer:
         else:
             offsets = ()
         return Trace(tuple(steps), out_sources, spec, module_changes(), sets, tuple(hooks), self.hook_set, offsets,
-                     tuple(checks), fills=fills)
+                     tuple(checks), fills=fills, floats=tuple(self.calc.checks) if self.calc is not None else (),
+                     attrs=self.calc.attrs if self.calc is not None else ())
 
 
 def _replaced(before: dict[int, Snapshot], after: dict[int, Snapshot]) -> tuple[list, list]:

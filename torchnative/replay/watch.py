@@ -2,7 +2,8 @@
 and every parameter or buffer (re)registered on a watched module (one of an accelerated model's):
 `bn.momentum = m`, a forward's `self.calls += 1`, `p.data`'s module re-registering. A replayed
 trace holds the old tensors and ran with the old Python values, and skips the Python that set
-them, so it must not outlive them.
+them, so it must not outlive them. A float attribute set to another float between calls is
+followed instead (replay/floats.py): its sets after the first do not count as changes.
 
 Module.__setattr__ has no hook of its own: it is wrapped while any module is watched (from the
 first `accelerate`), and given back when the last watched module is gone. Setting an attribute to
@@ -16,7 +17,13 @@ from typing import Any
 
 import torch
 
+from torchnative.replay.floats import Tracked
+
 _changes = 0
+_float_sets = 0  # sets of dynamic float attributes (replay/floats.py), which do not count as changes
+# id -> (weakref, names) of a watched module whose float attributes those names are dynamic: set
+# to another float between calls (DUA's momentum)
+_dynamic: dict[int, tuple] = {}
 # id -> weakref of each watched module: the id alone would match a new module given a freed one's
 # id, and a module's own hash may be anything (or nothing)
 _watched: dict[int, weakref.ref] = {}
@@ -36,9 +43,26 @@ def _bump(module: torch.nn.Module, *_: Any) -> None:
 
 
 def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
-    if _is_watched(self) and self.__dict__.get(name, _setattr) is not value:
-        global _changes
-        _changes += 1
+    if type(value) is Tracked:
+        value = float(value)  # a float replay/floats.py followed: kept as the plain value
+    if _is_watched(self):
+        old = self.__dict__.get(name, _setattr)
+        if old is not value:
+            global _changes, _float_sets
+            names = _dynamic.get(id(self))
+            if names is not None and names[0]() is not self:
+                names = None
+            if names is not None and name in names[1] and type(value) is float:
+                _float_sets += 1
+            elif type(value) is float and isinstance(old, float):
+                # from now on its value is followed through recorded calls (replay/floats.py); the
+                # traces recorded so far took it as a constant
+                if names is None:
+                    names = _dynamic[id(self)] = (weakref.ref(self, lambda _, i=id(self): _dynamic.pop(i, None)), set())
+                names[1].add(name)
+                _changes += 1
+            else:
+                _changes += 1
     _module_setattr(self, name, value)
 
 
@@ -70,6 +94,21 @@ def watch(model: torch.nn.Module) -> None:
     for m in model.modules():
         if not _is_watched(m):
             _watched[id(m)] = weakref.ref(m, lambda _, i=id(m): _forget(i))
+
+
+def dynamic_floats(module: torch.nn.Module) -> set:
+    """The module's float attributes whose values replay/floats.py follows."""
+    entry = _dynamic.get(id(module))
+    return entry[1] if entry is not None and entry[0]() is module else set()
+
+
+def has_dynamic_floats() -> bool:
+    return bool(_dynamic)
+
+
+def float_sets() -> int:
+    """How many times a dynamic float attribute of a watched module was set."""
+    return _float_sets
 
 
 def module_changes() -> int:
