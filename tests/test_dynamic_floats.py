@@ -88,6 +88,7 @@ CASES = {
     "temperature": (lambda: Scaled(lambda m, h: h / m.t + (1 - m.t) * 2), _temperature, True),
     "a branch on the float": (lambda: Scaled(lambda m, h: h * m.t if m.t > 0.3 else h - m.t), _flip, True),
     "math.exp of it (C reads it)": (lambda: Scaled(lambda m, h: h * math.exp(m.t)), _temperature, False),
+    "rounded": (lambda: Scaled(lambda m, h: h * round(m.t, 1)), _creeping, True),
     "a size from it": (lambda: Scaled(lambda m, h: h[:, :int(m.t * 10) % 8 + 1].sum(-1)), _creeping, True),
     # its text is checked to be the same: a new value every call never replays
     "its text as a key": (lambda: Scaled(lambda m, h: h * {"0.5": 2.0}.get(f"{m.t}", 3.0)), _temperature, False),

@@ -137,7 +137,7 @@ def _arithmetic(fn: Callable, reflected: bool = False) -> Callable:
 
 def _checked(fn: Callable) -> Callable:
     def method(self: "Tracked", *others: Any) -> Any:
-        if any(not _number(o) for o in others):
+        if any(not (_number(o) or o is None) for o in others):  # None: round(m, None)
             return NotImplemented if fn in _COMPARISONS else fn(float(self), *others)
         plain = (float(self), *(float(o) if isinstance(o, Tracked) else o for o in others))
         result = fn(*plain)
@@ -186,7 +186,7 @@ class Tracked(float):
     __bool__, __int__ = _checked(bool), _checked(int)
     __trunc__, __floor__, __ceil__ = _checked(math.trunc), _checked(math.floor), _checked(math.ceil)
     __round__ = _checked(round)
-    __divmod__ = _checked(divmod)
+    __divmod__, __rdivmod__ = _checked(divmod), _checked(lambda m, other: divmod(other, m))
     __hash__ = _pinned("__hash__")
     __repr__, __str__, __format__ = _pinned("__repr__"), _pinned("__str__"), _pinned("__format__")
     is_integer, as_integer_ratio, hex = _pinned("is_integer"), _pinned("as_integer_ratio"), _pinned("hex")
