@@ -28,7 +28,7 @@ class DuaNorm(torch.nn.BatchNorm2d):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, norm=DuaNorm, train: bool = False):
+    def __init__(self, norm=DuaNorm, train: bool | None = False):
         super().__init__()
         self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), norm(8)
         self.conv2, self.bn2 = torch.nn.Conv2d(8, 8, 3), norm(8)
@@ -36,7 +36,8 @@ class Net(torch.nn.Module):
         self.adapting = train
 
     def forward(self, x):
-        self.train(self.adapting)  # as DUA's forward does every call: changes nothing
+        if self.adapting is not None:
+            self.train(self.adapting)  # as DUA's forward does every call: changes nothing
         h = self.bn2(self.conv2(torch.relu(self.bn(self.conv(x)))))
         return self.head(h.mean((2, 3)))
 
@@ -155,3 +156,31 @@ def test_a_constant_made_of_a_float_that_held_still_is_not_replayed_stale(use):
             assert_same(accelerated(x), eager(x), rtol=0, atol=0)
         if i == 5:
             assert torchnative.stats()["replays"] >= 2  # the steady calls replayed the constant
+
+
+@pytest.mark.parametrize("delegate", ["eager", "ort"])
+def test_dua_as_its_library_runs_it_replays_both_calls_of_a_step(delegate):
+    """DUA's step: the BatchNorms alone in train mode with a new momentum for a call that updates
+    their statistics, then the whole model in eval mode for the prediction. Each mode is a guard
+    of its own (the old code took every flip for a changed attribute: no call replayed)."""
+    torch.manual_seed(0)
+    model = Net(torch.nn.BatchNorm2d, train=None)  # the step sets the modes
+    eager, accelerated = copy.deepcopy(model), torchnative.accelerate(copy.deepcopy(model), delegates=[delegate])
+    tol = dict(rtol=0, atol=0) if delegate == "eager" else dict(rtol=1e-5, atol=1e-5)
+
+    def step(m, x, i):
+        m.eval()
+        for bn in (m.bn, m.bn2):
+            bn.train()
+            bn.momentum = max(0.1 * 0.94 ** i, 0.005)
+        with torch.no_grad():
+            m(x)
+            m.eval()
+            return m(x)
+
+    torchnative.reset_stats()
+    for i in range(CALLS):
+        x = _x(i)
+        assert_same(step(accelerated, x, i), step(eager, x, i), **tol)
+        assert_same(dict(accelerated.state_dict()), dict(eager.state_dict()), **tol)
+    assert torchnative.stats()["replays"] >= CALLS, torchnative.stats()

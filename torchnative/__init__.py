@@ -107,7 +107,7 @@ def accelerate(model: torch.nn.Module, *, delegates: Sequence[str] | None = None
 
     With `replay` (the default), a call whose recording ran only compiled graphs and read only
     scalars of them is replayed without running `forward`'s Python once two consecutive calls with
-    the same argument metadata recorded the same graphs; a scalar that comes out different, a
+    the same argument metadata and training flags recorded the same graphs; a scalar that comes out different, a
     changed weight, or an attribute set on the model or a submodule records the call again (a float
     attribute set to another float, `bn.momentum = m`, is followed instead: replays compute what
     Python made of it again, docs/accelerate.md), and a call that sets a module attribute itself is

@@ -27,7 +27,8 @@ from torchnative.replay.replayer import Replayer, Entry
 from torchnative.replay.session import real_outputs, session
 from torchnative.replay.hooks import hooks_of, logged
 from torchnative.replay.floats import Following
-from torchnative.replay.watch import Submodules, dynamic_floats, foreign_hook, has_dynamic_floats, module_changes, watch
+from torchnative.replay.watch import (Submodules, dynamic_floats, foreign_hook, has_dynamic_floats, mode_sets,
+                                     module_changes, watch)
 from torchnative.replay.trace import Trace
 from torchnative.replay.tracer import Tracer
 from torchnative.replay.worth import Worth
@@ -59,6 +60,7 @@ class AcceleratedForward:
         self._sites = FloatSites()  # the floats its calls saw at each site: its own, not another model's
         self._lock = threading.Lock()
         self._listed: tuple[int, Submodules] | None = None  # (module_changes(), submodules) when listed
+        self._listed_modes: tuple[tuple, tuple] | None = None  # ((mode_sets(), module_changes()), flags) when listed
         self._worth = Worth()  # whether its calls that do not replay are worth recording
 
     @property
@@ -88,7 +90,7 @@ class AcceleratedForward:
     def _guarded(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         s, replayer = self.settings, self._replay_state()
         leaves, spec = flatten_call(args, kwargs)
-        key = guard_key(self.model, leaves, spec, replayer.snapshots)
+        key = guard_key(self._modes(), leaves, spec, replayer.snapshots)
         started = time.perf_counter()
         # a call with no trace to replay may cost less on eager (replay/worth.py); not a quantized
         # model's: its outputs would be the float model's on some calls
@@ -128,13 +130,20 @@ class AcceleratedForward:
             tracer.refuse(f"{hooked}: Python a replay would skip")
         if key is None:
             tracer.refuse("an argument no guard describes (a module, or a container of another kind)")
-        elif not same_apart_from_objects(key, guard_key(self.model, leaves, spec, replayer.snapshots)):
+        elif not same_apart_from_objects(key, guard_key(self._modes(), leaves, spec, replayer.snapshots)):
             tracer.refuse("the call changed the metadata of an argument tensor")
         learnt = replayer.learn(key, tracer, leaves, out, before)
         if weighed and not _on_the_way_to_a_compiled_replay(learnt):
             self._worth.recorded(structure, time.perf_counter() - started, elements, tracer.costs, tracer.compiling,
                                  out)
         return out
+
+    def _modes(self) -> tuple:
+        """The training flags of the model and its submodules, listed again only after a flip."""
+        at = (mode_sets(), module_changes())
+        if self._listed_modes is None or self._listed_modes[0] != at:
+            self._listed_modes = (at, (self.model.training, *(m.training for _, m in self._submodules().named)))
+        return self._listed_modes[1]
 
     def _submodules(self) -> Submodules:
         """The model's submodules, listed again only after a module attribute was set anywhere."""

@@ -1,8 +1,9 @@
 """What a replay trace is valid for (replay/replayer.py): the guard key of a call.
 
 A call's key is its argument structure, each tensor argument's metadata, each scalar's value,
-each other object's identity and Python state, and the grad mode, training flag and default
-dtype. An object's state (a StaticCache: its layers, their tensors and counters) is a walk of its
+each other object's identity and Python state, and the grad mode, the training flags of the
+model and its submodules (DUA puts the BatchNorms alone in train mode for one call, the whole
+model in eval for the next) and the default dtype. An object's state (a StaticCache: its layers, their tensors and counters) is a walk of its
 fields; a `Snapshot` of what the walk read makes checking that it is unchanged cheaper than the
 walk, which ran on every call of a decode step.
 """
@@ -165,10 +166,11 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Any]:
     return leaves, spec
 
 
-def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict | None = None) -> tuple | None:
+def guard_key(modes: tuple, leaves: list, spec: Any, snapshots: dict | None = None) -> tuple | None:
     """What a trace is valid for, from the call's flattened arguments: tensor metadata, scalar
-    values, other objects' identity and Python state (see `object_state`). `snapshots`: the last
-    object seen at each argument position, whose state is reused while it holds."""
+    values, other objects' identity and Python state (see `object_state`). `modes`: the training
+    flags of the model and its submodules; `snapshots`: the last object seen at each argument
+    position, whose state is reused while it holds."""
     plain, stands_for = _KNOWN.get(id(spec)) or (is_plain(spec), spec)
     if not plain:
         return None
@@ -191,7 +193,7 @@ def guard_key(model: torch.nn.Module, leaves: list, spec: Any, snapshots: dict |
                 if snapshots is not None:
                     snapshots[i] = snap
             described.append(snap.key)
-    return (stands_for, tuple(described), torch.is_grad_enabled(), model.training, torch.get_default_dtype())
+    return (stands_for, tuple(described), torch.is_grad_enabled(), modes, torch.get_default_dtype())
 
 
 def erased(key: tuple) -> Flat:

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from torchnative.replay.guard import SCALARS, Snapshot, is_plain
 from torchnative.replay.hooks import HookLog
 from torchnative.replay.trace import GraphCall, Ineligible, Trace
-from torchnative.replay.watch import float_sets, module_changes
+from torchnative.replay.watch import float_sets, mode_sets, module_changes
 
 aten = torch.ops.aten
 _SCALAR_READ = aten._local_scalar_dense.default
@@ -45,7 +45,7 @@ class Tracer:
         self.checks: list[tuple] = []     # (WeightRead, weights, value, runs before it)
         self.why: str | None = None
         self.changes = module_changes()
-        self.float_sets = float_sets()
+        self.float_sets, self.mode_sets = float_sets(), mode_sets()
         self.calc = None  # replay/floats.Calc: what the call made of the module's dynamic float attributes
         self.hooks = HookLog()  # the forward hooks the call ran (replay/hooks.py)
         self.hook_set = hook_set
@@ -87,7 +87,7 @@ class Tracer:
         forward makes) is rebuilt by the replay (`_made`)."""
         if self.why is not None or self.hooks.why is not None:
             raise Ineligible(self.why or self.hooks.why)
-        if module_changes() != self.changes or float_sets() != self.float_sets:
+        if module_changes() != self.changes or float_sets() != self.float_sets or mode_sets() != self.mode_sets:
             raise Ineligible("the call set a module attribute or registered a parameter or buffer (a replay would skip it)")
         where: dict[int, tuple] = {}    # id(tensor) -> source
         sits: list[int] = []            # arguments whose offsets a view source counts from their storage's start

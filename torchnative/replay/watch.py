@@ -3,7 +3,8 @@ and every parameter or buffer (re)registered on a watched module (one of an acce
 `bn.momentum = m`, a forward's `self.calls += 1`, `p.data`'s module re-registering. A replayed
 trace holds the old tensors and ran with the old Python values, and skips the Python that set
 them, so it must not outlive them. A float attribute set to another float between calls is
-followed instead (replay/floats.py): its sets after the first do not count as changes.
+followed instead (replay/floats.py): its sets after the first do not count as changes; nor do
+flips of a module's training flag, which are part of a call's guard key (replay/guard.py).
 
 Module.__setattr__ has no hook of its own: it is wrapped while any module is watched (from the
 first `accelerate`), and given back when the last watched module is gone. Setting an attribute to
@@ -20,6 +21,7 @@ import torch
 from torchnative.replay.floats import Tracked
 
 _changes = 0
+_mode_sets = 0  # sets of a module's training flag to the other value
 _float_sets = 0  # sets of dynamic float attributes (replay/floats.py), which do not count as changes
 # id -> (weakref, names) of a watched module whose float attributes those names are dynamic: set
 # to another float between calls (DUA's momentum)
@@ -48,22 +50,28 @@ def _setattr(self: torch.nn.Module, name: str, value: Any) -> None:
     if _is_watched(self):
         old = self.__dict__.get(name, _setattr)
         if old is not value:
-            global _changes, _float_sets
-            names = _dynamic.get(id(self))
-            if names is not None and names[0]() is not self:
-                names = None
-            if names is not None and name in names[1] and type(value) is float:
-                _float_sets += 1
-            elif type(value) is float and isinstance(old, float):
-                # from now on its value is followed through recorded calls (replay/floats.py); the
-                # traces recorded so far took it as a constant
-                if names is None:
-                    names = _dynamic[id(self)] = (weakref.ref(self, lambda _, i=id(self): _dynamic.pop(i, None)), set())
-                names[1].add(name)
-                _changes += 1
-            else:
-                _changes += 1
+            _count(self, name, old, value)
     _module_setattr(self, name, value)
+
+
+def _count(module: torch.nn.Module, name: str, old: Any, value: Any) -> None:
+    global _changes, _float_sets, _mode_sets
+    if name == "training" and type(value) is bool and type(old) is bool:
+        _mode_sets += 1  # part of the guard key (replay/guard.py), not a change
+        return
+    names = _dynamic.get(id(module))
+    if names is not None and names[0]() is not module:
+        names = None
+    if names is not None and name in names[1] and type(value) is float:
+        _float_sets += 1
+        return
+    if type(value) is float and isinstance(old, float):
+        # from now on its value is followed through recorded calls (replay/floats.py); the
+        # traces recorded so far took it as a constant
+        if names is None:
+            names = _dynamic[id(module)] = (weakref.ref(module, lambda _, i=id(module): _dynamic.pop(i, None)), set())
+        names[1].add(name)
+    _changes += 1
 
 
 _setattr.__wrapped__ = _module_setattr
@@ -104,6 +112,11 @@ def dynamic_floats(module: torch.nn.Module) -> set:
 
 def has_dynamic_floats() -> bool:
     return bool(_dynamic)
+
+
+def mode_sets() -> int:
+    """How many times a watched module's training flag was flipped."""
+    return _mode_sets
 
 
 def float_sets() -> int:
