@@ -231,6 +231,27 @@ class Dua(torch.nn.Module):
         return self.model(pixel_values=x).logits
 
 
+class DuaSteps(torch.nn.Module):
+    """DUA as its authors' code runs it: the BatchNorms alone in train mode with the decayed
+    momentum (torch's own BatchNorm, `bn.momentum = m`) for a call that moves their statistics,
+    then the model in eval mode for the prediction: two calls per step."""
+
+    def __init__(self, model, decay: float = 0.94, floor: float = 0.005):
+        super().__init__()
+        self.model, self.decay, self.floor, self.mom = model, decay, floor, 0.1
+
+    @torch.no_grad()
+    def forward(self, x):
+        self.model.eval()
+        self.mom = self.mom * self.decay
+        for bn in _batch_norms(self.model):
+            bn.train()
+            bn.momentum = self.mom + self.floor
+        self.model(pixel_values=x)
+        self.model.eval()
+        return self.model(pixel_values=x).logits
+
+
 class ActMad(torch.nn.Module):
     """ActMAD (Mirza et al.): every BatchNorm's output statistics pulled to the clean ones by SGD
     on all parameters; the model in eval mode, statistics gathered by forward hooks."""
@@ -298,9 +319,10 @@ def _library(method_class) -> Callable[[torch.nn.Module], Callable[[], torch.Ten
 
 WORKLOADS = {"tent": (_resnet50, _tent), "bn-stats": (_resnet50, _bn_stats), "lora": (_gpt2_lora, _lora),
              "tent-r18": (_resnet18, _library(Tent)), "norm-r18": (_resnet18, _library(Norm)),
-             "dua-r18": (_resnet18, _library(Dua)),
+             "dua-r18": (_resnet18, _library(Dua)), "dua-steps-r18": (_resnet18, _library(DuaSteps)),
              "actmad-r18": (_resnet18, _library(ActMad)), "mean-teacher-r18": (_resnet18, _library(MeanTeacher)),
              "norm-detr": (_rtdetr, _library(Norm)), "dua-detr": (_rtdetr, _library(Dua)),
+             "dua-steps-detr": (_rtdetr, _library(DuaSteps)),
              "actmad-detr": (_rtdetr, _library(ActMad)), "mean-teacher-detr": (_rtdetr, _library(MeanTeacher))}
 LIBRARY = [w for w in WORKLOADS if w.endswith(("-r18", "-detr"))]
 

@@ -11,6 +11,7 @@ import torch
 
 import torchnative
 from tests.conftest import assert_same
+from torchnative.cache.program_cache import clear_caches, programs
 
 CALLS = 12
 
@@ -184,3 +185,23 @@ def test_dua_as_its_library_runs_it_replays_both_calls_of_a_step(delegate):
         assert_same(step(accelerated, x, i), step(eager, x, i), **tol)
         assert_same(dict(accelerated.state_dict()), dict(eager.state_dict()), **tol)
     assert torchnative.stats()["replays"] >= CALLS, torchnative.stats()
+
+
+def test_an_eval_batch_norm_does_not_read_the_momentum_set_every_call():
+    """Between DUA's updates the model predicts in eval mode, where a BatchNorm's momentum is not
+    read: recorded as 0, it is not a float input, and every BatchNorm stays in the ONNX Runtime
+    partition (the old code made the momentum an input ONNX cannot take: each BatchNorm on eager)."""
+    torch.manual_seed(0)
+    model = Net(torch.nn.BatchNorm2d, train=None).eval()
+    eager, accelerated = copy.deepcopy(model), torchnative.accelerate(copy.deepcopy(model), delegates=["ort"])
+    clear_caches()
+    for i in range(6):
+        for m in (eager, accelerated):
+            m.bn.momentum = m.bn2.momentum = 0.1 * 0.9 ** i
+        x = _x(i)
+        with torch.no_grad():
+            assert_same(accelerated(x), eager(x), rtol=1e-5, atol=1e-5)
+    torchnative.wait_for_compiles()
+    built = [p for p in programs() if any(d == "ort" for d, _ in p.partitions)]
+    assert built and all(not any(type(n.meta["val"]) is float for n in p.graph.placeholders()) for p in built)
+    assert all(len(p.partitions) == 1 for p in built), [p.partitions for p in built]

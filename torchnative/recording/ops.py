@@ -148,11 +148,13 @@ DIRECT_DECOMPOSITIONS: dict = {
 def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
     # torch 2.13's schema does not mark the running stats as written, yet training mode updates
     # them in place: make that write explicit so it is recorded as a state update.
+    # Without statistics to update the momentum is not read: recorded as 0, so a momentum set
+    # every call (DUA's, read by the eval-mode calls between its updates too) is neither a new
+    # graph per value nor a float input that keeps each such BatchNorm off ONNX Runtime.
     if running_mean is None:
-        return aten._native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)
+        return aten._native_batch_norm_legit.no_stats(x, weight, bias, training, 0.0, eps)
     if not training:
-        return aten._native_batch_norm_legit_no_training.default(
-            x, weight, bias, running_mean, running_var, momentum, eps)
+        return aten._native_batch_norm_legit_no_training.default(x, weight, bias, running_mean, running_var, 0.0, eps)
     out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
         x, weight, bias, running_mean, running_var, True, momentum, eps)
     running_mean.copy_(new_mean)
