@@ -180,11 +180,18 @@ def test_dua_as_its_library_runs_it_replays_both_calls_of_a_step(delegate):
             return m(x)
 
     torchnative.reset_stats()
+    clear_caches()
     for i in range(CALLS):
         x = _x(i)
         assert_same(step(accelerated, x, i), step(eager, x, i), **tol)
         assert_same(dict(accelerated.state_dict()), dict(eager.state_dict()), **tol)
     assert torchnative.stats()["replays"] >= CALLS, torchnative.stats()
+    if delegate == "ort":  # the train-mode BatchNorms with the momentum as an input (decomposed) on ONNX Runtime
+        trained = [p for p in programs() if any(type(n.meta["val"]) is float for n in p.graph.placeholders())
+                   and any(d != "eager" for d, _ in p.partitions)]
+        assert trained and all([d for d, _ in p.partitions] == ["ort"] for p in trained), \
+            [(p.partitions, p.declined) for p in trained]
+        assert not torchnative.stats()["fallbacks"]
 
 
 def test_an_eval_batch_norm_does_not_read_the_momentum_set_every_call():

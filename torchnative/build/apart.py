@@ -104,6 +104,7 @@ def _child(compile: Callable[[], Artifact], constants: dict, w: int) -> None:
         os.nice(10)
         torch.set_num_threads(1)  # the parent's OpenMP team is not in this process either
         sys.settrace(None)  # the compile thread's slices (cache/program_cache.py): no caller here
+        _own_locks()
         artifact = compile()
         if artifact.live is not None:
             out: tuple = ("live",)
@@ -119,6 +120,16 @@ def _child(compile: Callable[[], Artifact], constants: dict, w: int) -> None:
             view = view[os.write(w, view):]
     finally:
         os._exit(0)  # not the parent's exit hooks, nor its threads' joins
+
+
+def _own_locks() -> None:
+    """Locks of the parent's a thread it had may have held at the fork, which nothing here would
+    release: tqdm's (torch.export's fx interpreter makes a progress bar; tqdm's monitor thread
+    takes the lock every few seconds): a child forked meanwhile waited for it until the timeout,
+    and the caller's next build with it."""
+    std = sys.modules.get("tqdm.std")
+    if std is not None:
+        std.tqdm.set_lock(threading.RLock())  # this process has one thread
 
 
 def _error(e: BaseException) -> bytes:

@@ -15,6 +15,9 @@ from torchnative.ir import CapturedGraph
 
 aten = torch.ops.aten
 _ALPHA = frozenset({aten.add.Tensor, aten.sub.Tensor})  # ops whose `alpha` multiplies their second tensor
+# (x, weight, bias, running_mean, running_var, training, momentum, eps): the momentum, a float in
+# the schema, moves the running statistics; torch's decomposition reads it as a tensor would be read
+_BATCH_NORM_TRAINING = frozenset({aten._native_batch_norm_legit_functional.default})
 
 
 def is_scalar(n: fx.Node) -> bool:
@@ -24,7 +27,10 @@ def is_scalar(n: fx.Node) -> bool:
 
 def placed(node: fx.Node) -> bool:
     """Does every scalar input `node` reads sit where a tensor can (an argument its schema types
-    Tensor, or add/sub's `alpha`)?"""
+    Tensor, add/sub's `alpha`, or the momentum of a train-mode batch norm, which `as_tensors`
+    decomposes)?"""
+    if _momentum_read(node):
+        return True
     schema = getattr(node.target, "_schema", None)
     if schema is None or not isinstance(node.meta.get("val"), torch.Tensor):
         return False
@@ -47,6 +53,8 @@ def as_tensors(graph: CapturedGraph) -> tuple[CapturedGraph, list[int]]:
         return graph, []
     graph = graph.copy()
     g = graph.gm.graph
+    for node in [n for n in g.nodes if _momentum_read(n)]:
+        _decompose_batch_norm(g, node)
     for k in positions:
         p = graph.placeholders()[k]
         p.meta["val"] = torch.empty((), dtype=torch.float64, device="meta")
@@ -67,3 +75,37 @@ def _read_as_tensor(g: fx.Graph, p: fx.Node, user: fx.Node) -> None:
             user.args = (user.args[0], scaled)
             user.kwargs = {k: v for k, v in user.kwargs.items() if k != "alpha"}
     user.replace_input_with(p, cast)
+
+
+def _momentum_read(node: fx.Node) -> bool:
+    """Is `node` a train-mode batch norm (with its weights and statistics) whose only scalar
+    input is its momentum?"""
+    return node.target in _BATCH_NORM_TRAINING and is_scalar(node.args[6]) and \
+        all(isinstance(a, fx.Node) and not is_scalar(a) for a in node.args[:5])
+
+
+def _decompose_batch_norm(g: fx.Graph, node: fx.Node) -> None:
+    """`node` replaced by torch's decomposition of it (the one ONNX export uses for train-mode
+    batch norm anyway), its momentum a 0-d tensor there: then a float input the graph reads."""
+    from torch._decomp.decompositions import native_batch_norm_helper
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, weight, bias, mean, var, _, momentum, eps = node.args
+    tensors = [x, weight, bias, mean, var]
+
+    def decomposed(*values):
+        return native_batch_norm_helper(*values[:5], True, values[5], eps, functional=True)
+
+    examples = [torch.empty_like(t.meta["val"], device="meta") for t in tensors]
+    traced = make_fx(decomposed)(*examples, torch.empty((), dtype=x.meta["val"].dtype, device="meta"))
+    env = dict(zip([p for p in traced.graph.nodes if p.op == "placeholder"], [*tensors, momentum]))
+    with g.inserting_before(node):
+        for n in traced.graph.nodes:
+            if n.op == "call_function":
+                env[n] = g.node_copy(n, lambda a: env[a])
+            elif n.op == "output":
+                results = [env[o] if isinstance(o, fx.Node) else o for o in n.args[0]]
+    for user in list(node.users):  # getitem(node, i) nodes
+        user.replace_all_uses_with(results[user.args[1]])
+        g.erase_node(user)
+    g.erase_node(node)
