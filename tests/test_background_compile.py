@@ -575,25 +575,29 @@ def test_a_compile_process_is_not_forked_while_another_thread_imports(tmp_path, 
         import slow_to_import
         return Artifact("eager", bytes([slow_to_import.VALUE]))
 
+    try:
+        assert _compiled_apart(compile_).payload == bytes([7])
+    finally:
+        importing.join()
+
+
+def _compiled_apart(compile_) -> Artifact:
+    """`compile_` run by a background build's child process, waited for a minute at most."""
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(1)
     try:
-        got = pool.submit(apart.compiled, compile_, {}).result(timeout=60)
+        return pool.submit(apart.compiled, compile_, {}).result(timeout=60)
     finally:
-        for pid in list(apart._children):  # a child stuck on the lock: ended, so the thread ends too
+        for pid in list(apart._children):  # a child stuck on a lock: ended, so the thread ends too
             os.kill(pid, signal.SIGKILL)
         pool.shutdown(wait=False)
-        importing.join()
-    assert got.payload == bytes([7])
 
 
 def test_a_compile_process_forked_while_a_thread_holds_tqdm_s_lock_does_not_wait_for_it():
     """torch.export's fx interpreter makes a tqdm progress bar, whose class lock tqdm's monitor
     thread takes every few seconds: a child forked while a thread held it waited for it until the
     timeout (30 min), and a caller waiting for that build with it (found hung in the default run)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm import tqdm
 
     def compile_():
@@ -610,16 +614,11 @@ def test_a_compile_process_forked_while_a_thread_holds_tqdm_s_lock_does_not_wait
     holder = threading.Thread(target=hold)
     holder.start()
     held.wait()
-    pool = ThreadPoolExecutor(1)
     try:
-        got = pool.submit(apart.compiled, compile_, {}).result(timeout=60)
+        assert _compiled_apart(compile_).payload == b"done"
     finally:
-        for pid in list(apart._children):  # a child stuck on the lock: ended, so the thread ends too
-            os.kill(pid, signal.SIGKILL)
         release.set()
         holder.join()
-        pool.shutdown(wait=False)
-    assert got.payload == b"done"
 
 
 def test_an_in_call_build_runs_torch_on_one_thread_and_its_programs_on_the_callers():
