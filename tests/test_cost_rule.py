@@ -3,6 +3,7 @@ graph compiles once its runs on eager took REPAY of its compile's estimated seco
 runs (and replays) on eager's program, and `explain()` says why. Results are eager's throughout."""
 import copy
 import time
+import types
 
 import pytest
 import torch
@@ -112,12 +113,17 @@ def test_each_new_model_of_the_same_graphs_repays_its_own_compile(monkeypatch):
 
 class Decaying(torch.nn.Module):
     """DUA's pattern: statistics moved by a momentum the method decays before every call (a Python
-    float that enters an op by keyword), so no call can replay."""
+    float that enters an op by keyword), held by a schedule object that is no module (a module's
+    float attribute is followed, replay/floats.py): no call can replay."""
 
     def __init__(self, width: int):
         super().__init__()
-        self.body, self.momentum = Mlp(width), 0.1
+        self.body, self.schedule = Mlp(width), types.SimpleNamespace(momentum=0.1)
         self.register_buffer("mean", torch.zeros(width))
+
+    @property
+    def momentum(self) -> float:
+        return self.schedule.momentum
 
     def forward(self, x):
         self.mean.mul_(1 - self.momentum).add_(x.mean(0), alpha=self.momentum)
@@ -125,7 +131,7 @@ class Decaying(torch.nn.Module):
 
 
 def _step(model: Decaying, x: torch.Tensor) -> torch.Tensor:
-    model.momentum = max(model.momentum * 0.94, 0.005)
+    model.schedule.momentum = max(model.momentum * 0.94, 0.005)
     return model(x)
 
 
@@ -173,7 +179,7 @@ def test_calls_over_a_growing_cache_are_weighed_as_one_structure():
     torchnative.accelerate(model, delegates=["eager"], compile_after=None)
     with torch.no_grad():
         for i in range(40):
-            model.momentum = reference.momentum = max(model.momentum * 0.94, 0.005)
+            model.schedule.momentum = reference.schedule.momentum = max(model.momentum * 0.94, 0.005)
             assert torch.equal(model(xs[i % 3], mine), reference(xs[i % 3], theirs)), i
             assert torch.equal(mine.keys, theirs.keys), i
     stats = torchnative.stats()

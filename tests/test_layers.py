@@ -106,6 +106,8 @@ ALLOWED_TABLES = {
     "torchnative.replay.guard._SPECS": "one entry per call structure (positional count, keyword names) of the code run",
     "torchnative.replay.guard._KNOWN": "the same, by spec",
     "torchnative.replay.watch._watched": "one entry per watched module, dropped with the module (weakref)",
+    "torchnative.replay.watch._dynamic": "one entry per watched module with a float attribute set between calls, "
+                                         "dropped with the module (weakref)",
     "torchnative.store._tables": "one per delegate probe table",
     "torchnative.events._listeners": "listeners registered and removed by the inspector",
     "torchnative.build.program.AROUND": "observers of partition runs, registered and removed by the inspector",

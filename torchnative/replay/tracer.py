@@ -147,7 +147,10 @@ class Tracer:
             if not all(isinstance(x, torch.Tensor) or source(x)[0] == "calc" for x in inputs):
                 raise Ineligible("a Python float that changes between calls is an input of a graph, and not one "
                                  "computed from a module's float attribute (a replay cannot know its next value)")
-            grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+            grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+            if grad and not all(isinstance(x, torch.Tensor) for x in inputs):
+                # the replay's backward (build/differentiable.py) would hold the float it was traced with
+                raise Ineligible("a graph autograd records reads a Python float that changes between calls")
             sources = tuple(source(x) for x in inputs)
             writes = tuple(homes.setdefault(id(r), source(r)) for r in roots)
             # "out": a buffer an earlier graph made (a scan's `out = torch.empty(...)`, `out[t] = y` after a cut)
